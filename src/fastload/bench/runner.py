@@ -1,0 +1,194 @@
+"""What every benchmark shares: timing, a description of the machine, JSON and table output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One system's figure in one case of a benchmark; ratios are filled in by :func:`relate`."""
+
+    benchmark: str
+    case: str
+    system: str
+    seconds: float  # median over repeats
+    repeats: list[float]
+    items: int = 0
+    nbytes: int = 0
+    ratio: float | None = None  # throughput relative to the case's reference system
+    reference: str | None = None
+    note: str = ""
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
+
+
+def time_median(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    benchmark: str,
+    case: str,
+    system: str,
+    items: int = 0,
+    nbytes: int = 0,
+    repeats: int = 3,
+    warmup: int = 1,
+    note: str = "",
+) -> Measurement:
+    times = time_median(fn, repeats=repeats, warmup=warmup)
+    return Measurement(
+        benchmark=benchmark,
+        case=case,
+        system=system,
+        seconds=statistics.median(times),
+        repeats=times,
+        items=items,
+        nbytes=nbytes,
+        note=note,
+    )
+
+
+def relate(rows: Sequence[Measurement], reference: str) -> list[Measurement]:
+    """Each row's throughput as a ratio to the ``reference`` system's in the same case."""
+    ref = {r.case: r.seconds for r in rows if r.system == reference}
+    out = []
+    for r in rows:
+        base = ref.get(r.case)
+        ratio = base / r.seconds if base is not None and r.seconds > 0 else None
+        out.append(
+            Measurement(**{**asdict(r), "ratio": ratio, "reference": reference if ratio else None})
+        )
+    return out
+
+
+def _first_line(cmd: Sequence[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    line = out.stdout.strip().splitlines()
+    return line[0] if out.returncode == 0 and line else None
+
+
+def machine_info(path: str | os.PathLike[str] = ".") -> dict[str, Any]:
+    """CPU, cores, memory, the disk under ``path``, GPU and library versions, for the record."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    memory = None
+    try:
+        with open("/proc/meminfo") as f:
+            memory = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        pass
+    disk = shutil.disk_usage(path)
+    libraries: dict[str, str] = {}
+    for name in ("fastload", "torch", "numpy", "fsspec", "s3fs", "nvidia-dali-cuda130"):
+        try:
+            libraries[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    from fastload.reader import native_status
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": memory,
+        "disk_total_bytes": disk.total,
+        "disk_free_bytes": disk.free,
+        "gpu": _first_line(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
+        ),
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+        "libraries": libraries,
+        "fastload_native": native_status(),
+    }
+
+
+@dataclass
+class Report:
+    """Rows of one benchmark run plus the machine they ran on."""
+
+    name: str
+    rows: list[Measurement] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=machine_info)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def write_json(self, out_dir: str | os.PathLike[str]) -> Path:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{self.name}.json"
+        payload = {
+            "benchmark": self.name,
+            "params": self.params,
+            "machine": self.machine,
+            "rows": [
+                {
+                    **asdict(r),
+                    "items_per_s": r.items_per_s if r.items else None,
+                    "gb_per_s": r.gb_per_s if r.nbytes else None,
+                }
+                for r in self.rows
+            ],
+        }
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=2, allow_nan=False, default=str))
+        os.replace(tmp, path)
+        return path
+
+    def table(self) -> str:
+        headers = ["case", "system", "median s", "GB/s", "items/s", "ratio", "note"]
+        body = [
+            [
+                r.case,
+                r.system,
+                f"{r.seconds:.3f}",
+                f"{r.gb_per_s:.2f}" if r.nbytes else "",
+                f"{r.items_per_s:,.0f}" if r.items else "",
+                f"{r.ratio:.2f}x {r.reference}" if r.ratio is not None else "",
+                r.note,
+            ]
+            for r in self.rows
+        ]
+        widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(headers)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
+        return "\n".join(line.rstrip() for line in lines)

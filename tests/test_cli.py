@@ -1,0 +1,68 @@
+"""The installed ``fastload`` console script: a thin shell with DESIGN.md's exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+FASTLOAD = str(Path(sys.executable).parent / "fastload")
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [FASTLOAD, *args], capture_output=True, text=True, timeout=300, check=False, cwd=cwd
+    )
+
+
+def test_version_is_the_installed_one() -> None:
+    out = run("--version")
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"fastload {version('fastload')}"
+
+
+def test_help_lists_every_command_of_the_design() -> None:
+    out = run("--help")
+    assert out.returncode == 0
+    for command in ("warm", "cache", "bench", "doctor"):
+        assert command in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "issue"),
+    [(["warm", "s3://bucket/data"], "#3"), (["cache", "ls"], "#3"), (["doctor"], "later")],
+)
+def test_commands_still_open_say_so_and_exit_2(args, issue) -> None:
+    out = run(*args)
+    assert out.returncode == 2
+    assert "not available yet" in out.stderr
+    assert issue in out.stderr
+    assert out.stderr.count("\n") == 1  # one line
+
+
+@pytest.mark.parametrize("args", [[], ["frobnicate"], ["cache", "shred"], ["warm"]])
+def test_bad_usage_exits_2(args) -> None:
+    out = run(*args)
+    assert out.returncode == 2
+    assert "usage: fastload" in out.stderr
+
+
+def test_bench_on_a_user_url_is_not_available_yet() -> None:
+    out = run("bench", "s3://bucket/data")
+    assert out.returncode == 2
+    assert "#7" in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_quick_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+    out = run("bench", "--quick", "--out", str(tmp_path / "results"))
+    assert out.returncode == 0, out.stderr
+    assert "cat > /dev/null" in out.stdout
+    assert "fastload native reader" in out.stdout
+    result = json.loads((tmp_path / "results" / "read.json").read_text())
+    assert {r["system"] for r in result["rows"]} >= {"cat > /dev/null", "Python readinto loop"}
+    assert result["machine"]["cores"] >= 1
