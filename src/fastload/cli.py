@@ -7,19 +7,123 @@ command whose work is still open.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import fastload
 from fastload.errors import FastloadError, NotYetAvailableError
 
 # Commands of DESIGN.md whose implementation is tracked by an open issue.
 _PENDING = {
-    "warm": "staging into the cache (issue #3; a node's share: issue #4)",
-    "cache": "cache inspection and maintenance (issue #3)",
     "doctor": "finding where the training step waits (a later issue)",
 }
+_SIZE_UNITS = {
+    "": 1,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "KI": 2**10,
+    "MI": 2**20,
+    "GI": 2**30,
+    "TI": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'500M', '10GB', '2GiB', '1234' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?)?B?\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 500M, 10G or 2GiB)")
+    return int(float(match[1]) * _SIZE_UNITS[match[2] or ""])
+
+
+def _print(payload: dict[str, Any] | list[Any], as_json: bool, text: str) -> None:
+    print(json.dumps(payload, indent=2) if as_json else text)
+
+
+def _warm(args: argparse.Namespace) -> int:
+    if args.rank is not None or args.world_size is not None or args.epochs is not None:
+        raise NotYetAvailableError(
+            "warming one node's share (--rank/--world-size/--epochs) needs the plan (issue #4); "
+            "leave them out to warm the whole dataset"
+        )
+    from fastload.warm import warm
+
+    report = warm(
+        args.url,
+        cache_dir=args.cache_dir,
+        jobs=args.jobs,
+        max_bytes=args.max_bytes,
+        policy=args.policy,
+        refresh=args.refresh,
+        dry_run=args.dry_run,
+        progress=None if not args.json else False,
+    )
+    if args.dry_run:
+        text = (
+            f"would fetch {report.objects - report.already_cached:,} objects "
+            f"({report.bytes / 1e6:,.1f} MB); {report.already_cached:,} already cached"
+        )
+    else:
+        text = (
+            f"{report.objects:,} objects: fetched {report.fetched:,} "
+            f"({report.fetched_bytes / 1e6:,.1f} MB), already cached "
+            f"{report.already_cached:,}, over budget {report.skipped:,}, "
+            f"failed {report.failed:,} in {report.seconds:.1f}s"
+        )
+    _print(report.to_dict(), args.json, text)
+    for failure in report.failures[:5]:
+        print(f"fastload: failed: {failure['url']}: {failure['error']}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from fastload.cache import Cache
+
+    with Cache(args.cache_dir) as cache:
+        if args.action == "ls":
+            entries = cache.entries()
+            _print(
+                [{"url": e.url, "size": e.size, "last_use": e.last_use} for e in entries],
+                args.json,
+                "\n".join(f"{e.size:>12,}  {e.url}" for e in entries),
+            )
+        elif args.action == "du":
+            entries = cache.entries()
+            used = sum(e.size for e in entries)
+            _print(
+                {"cache_dir": str(cache.dir), "objects": len(entries), "bytes": used},
+                args.json,
+                f"{used / 1e6:,.1f} MB in {len(entries):,} objects under {cache.dir}",
+            )
+        elif args.action == "verify":
+            problems = cache.verify(repair=True)
+            _print(
+                {
+                    "checked": len(cache.entries()) + len(problems),
+                    "problems": [{"url": u, "problem": p} for u, p in problems],
+                },
+                args.json,
+                "\n".join(f"dropped (refetched on next use): {u}: {p}" for u, p in problems)
+                or "all cached objects match their checksums",
+            )
+            return 1 if problems else 0
+        elif args.action == "evict":
+            removed = cache.evict(to_bytes=args.max_bytes or 0)
+            _print(
+                {"evicted": removed, "bytes": cache.used_bytes()},
+                args.json,
+                f"evicted {removed:,} objects; {cache.used_bytes() / 1e6:,.1f} MB remain",
+            )
+        else:  # clear
+            removed = cache.clear()
+            _print({"removed": removed}, args.json, f"removed {removed:,} objects")
+    return 0
 
 
 def _pending(command: str) -> Callable[[argparse.Namespace], int]:
@@ -58,22 +162,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     warm = sub.add_parser("warm", help="stage a dataset (or one node's share of it) into the cache")
     warm.add_argument("url")
-    warm.add_argument("--cache-dir")
+    warm.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
     warm.add_argument("--format", default="auto")
-    warm.add_argument("--jobs", type=int)
-    warm.add_argument("--max-bytes")
+    warm.add_argument("--jobs", type=int, help="requests in flight at most (default 64)")
+    warm.add_argument("--max-bytes", type=parse_size, help="cache budget, e.g. 200G")
+    warm.add_argument("--policy", choices=["lru", "pin", "plan"], default="lru")
+    warm.add_argument("--refresh", action="store_true", help="list the remote again")
     warm.add_argument("--rank", type=int)
     warm.add_argument("--world-size", type=int)
     warm.add_argument("--epochs", help="E..F, inclusive")
     warm.add_argument("--dry-run", action="store_true")
     warm.add_argument("--json", action="store_true")
-    warm.set_defaults(run=_pending("warm"))
+    warm.set_defaults(run=_warm)
 
     cache = sub.add_parser("cache", help="inspect and maintain the local cache")
     cache.add_argument("action", choices=["ls", "du", "verify", "evict", "clear"])
-    cache.add_argument("--cache-dir")
+    cache.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
+    cache.add_argument("--max-bytes", type=parse_size, help="evict: keep at most this much")
     cache.add_argument("--json", action="store_true")
-    cache.set_defaults(run=_pending("cache"))
+    cache.set_defaults(run=_cache)
 
     bench = sub.add_parser("bench", help="measure fastload against its peers on the same data")
     bench.add_argument("url", nargs="?", help="a dataset to measure (default: a generated one)")

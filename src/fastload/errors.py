@@ -21,3 +21,27 @@ class ShortReadError(ReadError):
 
 class NotYetAvailableError(FastloadError, NotImplementedError):
     """A documented feature whose work is still open in the issue tracker."""
+
+
+class RemoteError(FastloadError, OSError):
+    """Fetching or listing a remote object failed; the message names the URL."""
+
+
+class RemoteNotFoundError(RemoteError, FileNotFoundError):
+    """The remote object or dataset root does not exist (HTTP 404, S3 NoSuchKey)."""
+
+
+class RemoteAccessError(RemoteError, PermissionError):
+    """The remote refused access (HTTP 401/403, S3 AccessDenied, missing credentials)."""
+
+
+class RemoteIntegrityError(RemoteError):
+    """The bytes received do not match the size or checksum the remote advertised."""
+
+
+class CacheError(FastloadError, OSError):
+    """The local cache cannot do what was asked (full disk, a stuck lock, a broken index)."""
+
+
+class CacheCorruptError(CacheError):
+    """A cached file no longer matches its recorded size or checksum."""

@@ -1,0 +1,123 @@
+"""The transport: fsspec filesystems for a URL, and what a failure from one of them means.
+
+fsspec is the transport only. This module turns a dataset URL into a filesystem and a root,
+strips credentials from URLs before they are shown or stored, and sorts backend exceptions
+into transient ones (worth a retry) and permanent ones (fail fast, naming the URL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import re
+import urllib.parse
+from typing import Any
+
+import fsspec
+
+from fastload.errors import (
+    RemoteAccessError,
+    RemoteError,
+    RemoteIntegrityError,
+    RemoteNotFoundError,
+)
+
+_THROTTLE_PATTERN = re.compile(r"SlowDown|Throttl|TooManyRequests|RequestLimitExceeded|\b429\b")
+_TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
+_PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId"}
+
+
+def open_filesystem(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem for url and the dataset root path in that filesystem's terms."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return fs, root.rstrip("/") if root not in ("/", "") else root
+
+
+def public_url(url: str) -> str:
+    """url without user:password or query-string secrets, safe to log and store."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.scheme or parts.scheme == "file":
+        return url
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def remote_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A path of fs as a URL a user recognises (s3://bucket/key, http://host/x, /local/x)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in ("file", "local") or "://" in path:
+        return public_url(path)
+    return f"{protocol}://{path}"
+
+
+def _status(exc: BaseException) -> int | None:
+    for attr in ("status", "status_code", "code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return value
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def is_throttling(exc: BaseException) -> bool:
+    """The remote asked us to slow down (S3 503 SlowDown, HTTP 429 or 503)."""
+    return any(_status(e) in (429, 503) or _THROTTLE_PATTERN.search(str(e)) for e in _chain(exc))
+
+
+def classify(exc: BaseException, url: str) -> RemoteError:
+    """A fastload error for a backend exception: permanent ones are subclasses that name why.
+
+    Anything not known to be permanent is treated as transient (a plain RemoteError), so a
+    new kind of network hiccup is retried rather than failing a long warm.
+    """
+    if isinstance(exc, RemoteError):
+        return exc
+    chain = _chain(exc)
+    for e in chain:
+        status = _status(e)
+        name = type(e).__name__
+        if isinstance(e, FileNotFoundError) or status in (404, 410) or "NoSuchKey" in str(e):
+            return RemoteNotFoundError(
+                errno.ENOENT, f"{url} does not exist on the remote; check the URL", url
+            )
+        if (
+            isinstance(e, PermissionError)
+            or status in (401, 403)
+            or name in _PERMANENT_NAMES
+            or "AccessDenied" in str(e)
+        ):
+            return RemoteAccessError(
+                errno.EACCES,
+                f"access to {url} was refused ({e}); check credentials and storage_options",
+                url,
+            )
+    detail = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    return RemoteError(errno.EIO, f"fetching {url} failed: {detail}", url)
+
+
+def is_transient(error: RemoteError) -> bool:
+    return not isinstance(error, (RemoteNotFoundError, RemoteAccessError))
+
+
+def integrity_error(url: str, what: str) -> RemoteIntegrityError:
+    return RemoteIntegrityError(errno.EIO, f"{url}: {what} (a truncated or altered body)", url)
+
+
+TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)

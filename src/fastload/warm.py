@@ -1,0 +1,146 @@
+"""``fl.warm``: stage a dataset (or the part of it a node needs) into the local cache."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+from fastload.cache import Cache, Policy
+from fastload.manifest import load_manifest
+from fastload.remote import open_filesystem, public_url
+from fastload.stage import FetchConfig, Stager, _Progress
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmReport:
+    """What a warm did; ``to_dict()`` is what ``fastload warm --json`` prints."""
+
+    url: str
+    cache_dir: str
+    objects: int
+    bytes: int
+    fetched: int = 0
+    fetched_bytes: int = 0
+    already_cached: int = 0
+    skipped: int = 0  # turned away by the cache's budget
+    failed: int = 0
+    failures: list[dict[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+    dry_run: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0
+
+
+class ProgressBar:
+    """One line on a terminal, rewritten at most ten times a second; silent elsewhere."""
+
+    def __init__(self, total_objects: int, total_bytes: int, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self.total_objects = total_objects
+        self.total_bytes = total_bytes
+        self.start = time.monotonic()
+        self._last = 0.0
+
+    def __call__(self, p: _Progress) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self._last < 0.1 and p.objects_done < self.total_objects):
+            return
+        self._last = now
+        elapsed = max(now - self.start, 1e-9)
+        rate = p.fetched_bytes / elapsed
+        left = max(self.total_bytes - p.bytes_done, 0)
+        eta = f"{left / rate:5.0f}s" if rate > 0 else "    ?"
+        self.stream.write(
+            f"\r{p.objects_done:>9,}/{self.total_objects:,} objects  "
+            f"{p.bytes_done / 1e6:>9,.1f}/{self.total_bytes / 1e6:,.1f} MB  "
+            f"{rate / 1e6:7.1f} MB/s  ETA {eta}"
+        )
+        if p.objects_done >= self.total_objects:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def warm(
+    url: str,
+    *,
+    cache_dir: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    jobs: int | None = None,
+    max_bytes: int | None = None,
+    policy: Policy = "lru",
+    keys: Sequence[str] | None = None,
+    refresh: bool = False,
+    ttl_s: float | None = None,
+    dry_run: bool = False,
+    progress: bool | Callable[[_Progress], None] | None = None,
+    fetch: FetchConfig | None = None,
+) -> WarmReport:
+    """Stages url's objects (or only ``keys``, in that order) into the cache.
+
+    Resumable: objects already cached (same version) are not fetched again. A permanent
+    failure (not found, access refused, full disk) raises; transient failures that outlast
+    their retries are counted in the report's ``failed`` and listed in ``failures``.
+    ``progress=None`` shows a bar when stderr is a terminal.
+    """
+    started = time.monotonic()
+    with Cache(cache_dir, max_bytes=max_bytes, policy=policy) as cache:
+        manifest = load_manifest(url, cache.dir, storage_options, refresh=refresh, ttl_s=ttl_s)
+        objects = list(manifest.objects)
+        if keys is not None:
+            by_key = {o.key: o for o in objects}
+            unknown = [k for k in keys if k not in by_key]
+            if unknown:
+                raise KeyError(
+                    f"{len(unknown)} keys are not in the listing of {manifest.url}, e.g. "
+                    f"{unknown[0]!r}; relist with refresh=True if the dataset changed"
+                )
+            objects = [by_key[k] for k in dict.fromkeys(keys)]
+        total_bytes = sum(o.size or 0 for o in objects)
+        shown, cache_dir_text = public_url(url), str(cache.dir)
+        if dry_run:
+            missing = [
+                o
+                for o in objects
+                if cache.lookup(manifest.object_url(o), version=o.version, size=o.size) is None
+            ]
+            return WarmReport(
+                url=shown,
+                cache_dir=cache_dir_text,
+                objects=len(objects),
+                bytes=sum(o.size or 0 for o in missing),
+                already_cached=len(objects) - len(missing),
+                fetched=0,
+                dry_run=True,
+                seconds=time.monotonic() - started,
+            )
+        fs, root = open_filesystem(url, storage_options)
+        config = fetch or (FetchConfig(jobs=jobs, min_jobs=min(2, jobs)) if jobs else FetchConfig())
+        callback = progress if callable(progress) else None
+        if progress is None or progress is True:
+            callback = ProgressBar(len(objects), total_bytes)
+        stager = Stager(cache=cache, manifest=manifest, fs=fs, root=root, config=config)
+        results = stager.stage(objects, progress=callback)
+        cache.touch([r.url for r in results if r.outcome == "cached"])
+    failures = [{"url": r.url, "error": r.error or ""} for r in results if r.outcome == "failed"]
+    return WarmReport(
+        url=shown,
+        cache_dir=cache_dir_text,
+        objects=len(objects),
+        bytes=total_bytes or sum(r.nbytes for r in results),
+        fetched=sum(r.outcome == "fetched" for r in results),
+        fetched_bytes=sum(r.nbytes for r in results if r.outcome == "fetched"),
+        already_cached=sum(r.outcome == "cached" for r in results),
+        skipped=sum(r.outcome == "skipped" for r in results),
+        failed=len(failures),
+        failures=failures,
+        seconds=time.monotonic() - started,
+    )
