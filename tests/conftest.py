@@ -1,13 +1,18 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from fastload.reader import BatchReader, native_available
+from fastload.testing import RangeHTTPServer, RemoteControls, S3Server
 
 
 @pytest.fixture(params=["native", "python"])
@@ -28,3 +33,79 @@ def data_file(tmp_path: Path) -> tuple[Path, bytes]:
     path = tmp_path / "data.bin"
     path.write_bytes(content)
     return path, content
+
+
+@dataclass
+class Remote:
+    """A dataset on one kind of remote, with the server's own request counts where it has one."""
+
+    kind: str
+    url: str
+    storage_options: dict[str, Any]
+    server: RemoteControls | None
+    files: dict[str, bytes]
+    source_dir: Path
+    _path_prefix: str = ""
+
+    def gets(self, key: str) -> int:
+        """GET requests the server saw for key (ranged GETs count one each)."""
+        assert self.server is not None, "a local dataset has no server to count requests"
+        return self.server.stats().count(path=f"{self._path_prefix}/{key}", method="GET")
+
+    def total_gets(self) -> int:
+        assert self.server is not None
+        return self.server.stats().count(method="GET")
+
+    def replace(self, key: str, data: bytes) -> None:
+        """Changes an object on the remote (a new version)."""
+        self.files[key] = data
+        if self.kind == "s3":
+            assert isinstance(self.server, S3Server)
+            self.server.put("data", f"ds/{key}", data)
+        else:
+            path = self.source_dir / "ds" / key
+            path.write_bytes(data)
+            os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+
+
+def make_files(root: Path, count: int = 30, seed: int = 0) -> dict[str, bytes]:
+    rng = np.random.default_rng(seed)
+    files = {}
+    for i in range(count):
+        key = f"class_{i % 3}/img {i:03d}.bin" if i % 5 else f"deep/a/b/{i:03d}.bin"
+        size = 0 if i == 7 else int(rng.integers(1, 150_000))
+        files[key] = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(files[key])
+    return files
+
+
+@contextlib.contextmanager
+def open_remote(kind: str, base: Path, count: int = 30) -> Iterator[Remote]:
+    source = base / "source"
+    files = make_files(source / "ds", count)
+    if kind == "local":
+        yield Remote(kind, str(source / "ds"), {}, None, files, source)
+    elif kind == "http":
+        with RangeHTTPServer(source) as server:
+            yield Remote(kind, server.url_for("ds"), {}, server, files, source, "/ds")
+    else:
+        with S3Server() as server:
+            server.upload_dir(source / "ds", "data", prefix="ds")
+            yield Remote(
+                kind, "s3://data/ds", server.storage_options, server, files, source, "/data/ds"
+            )
+
+
+@pytest.fixture(params=["local", "http", "s3"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
+    """The same small dataset on each kind of remote: local files, HTTP, S3 (moto)."""
+    with open_remote(request.param, tmp_path) as r:
+        yield r
+
+
+@pytest.fixture(params=["http", "s3"])
+def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
+    """The dataset behind a loopback server that can inject faults and count requests."""
+    with open_remote(request.param, tmp_path) as r:
+        yield r

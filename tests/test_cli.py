@@ -34,7 +34,7 @@ def test_help_lists_every_command_of_the_design() -> None:
 
 @pytest.mark.parametrize(
     ("args", "issue"),
-    [(["warm", "s3://bucket/data"], "#3"), (["cache", "ls"], "#3"), (["doctor"], "later")],
+    [(["warm", "/data", "--rank", "0", "--world-size", "2"], "#4"), (["doctor"], "later")],
 )
 def test_commands_still_open_say_so_and_exit_2(args, issue) -> None:
     out = run(*args)
@@ -44,7 +44,10 @@ def test_commands_still_open_say_so_and_exit_2(args, issue) -> None:
     assert out.stderr.count("\n") == 1  # one line
 
 
-@pytest.mark.parametrize("args", [[], ["frobnicate"], ["cache", "shred"], ["warm"]])
+@pytest.mark.parametrize(
+    "args",
+    [[], ["frobnicate"], ["cache", "shred"], ["warm"], ["warm", "/x", "--max-bytes", "lots"]],
+)
 def test_bad_usage_exits_2(args) -> None:
     out = run(*args)
     assert out.returncode == 2

@@ -49,8 +49,8 @@ def _print(payload: dict[str, Any] | list[Any], as_json: bool, text: str) -> Non
 def _warm(args: argparse.Namespace) -> int:
     if args.rank is not None or args.world_size is not None or args.epochs is not None:
         raise NotYetAvailableError(
-            "warming one node's share (--rank/--world-size/--epochs) needs the plan (issue #4); "
-            "leave them out to warm the whole dataset"
+            "warming one node's share (--rank/--world-size/--epochs) is not available yet: "
+            "it needs the plan (issue #4); leave them out to warm the whole dataset"
         )
     from fastload.warm import warm
 

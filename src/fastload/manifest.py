@@ -21,7 +21,7 @@ from typing import Any
 import fsspec
 
 from fastload.errors import RemoteError
-from fastload.remote import classify, open_filesystem, public_url, remote_url
+from fastload.remote import key_of, open_filesystem, public_url, remote_url, with_retries
 
 _VERSION_FIELDS = (
     "VersionId",
@@ -37,6 +37,7 @@ _VERSION_FIELDS = (
     "created",
 )
 _HEAD_CONCURRENCY = 64
+_HEAD_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,16 +96,6 @@ def _version(info: dict[str, Any]) -> str | None:
     return ";".join(parts)[:512] if parts else None
 
 
-def _relative_key(root: str, name: str) -> str:
-    name = name.rstrip("/")
-    if name == root:
-        return ""
-    prefix = root.rstrip("/") + "/"
-    if not name.startswith(prefix):
-        raise RemoteError(0, f"listing of {root} returned {name}, which is not below it")
-    return name[len(prefix) :]
-
-
 def _head_missing(fs: fsspec.AbstractFileSystem, names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Objects whose listing lacked a size (HTTP directory pages): ask each one, concurrently."""
     if not names:
@@ -117,7 +108,8 @@ def _head_missing(fs: fsspec.AbstractFileSystem, names: Sequence[str]) -> dict[s
 
         async def head(name: str) -> dict[str, Any]:
             async with gate:
-                return await fs._info(name)  # type: ignore[no-any-return]
+                info: dict[str, Any] = await asyncio.wait_for(fs._info(name), _HEAD_TIMEOUT_S)
+                return info
 
         return await asyncio.gather(*(head(n) for n in names))
 
@@ -129,14 +121,16 @@ def list_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Man
     """Lists every object under url (or the one object url names)."""
     fs, root = open_filesystem(url, storage_options)
     shown = public_url(url)
-    try:
+
+    def listing() -> dict[str, dict[str, Any]]:
         found: dict[str, dict[str, Any]] = fs.find(root, detail=True, withdirs=False)
         if not found and fs.isfile(root):
             found = {root: fs.info(root)}
         missing = [n for n, info in found.items() if info.get("size") is None]
         found.update(_head_missing(fs, missing))
-    except Exception as exc:
-        raise classify(exc, shown) from exc
+        return found
+
+    found = with_retries(listing, shown)
     if not found:
         raise RemoteError(
             2, f"{shown} lists no objects; check the URL (and storage_options for credentials)"
@@ -144,7 +138,7 @@ def list_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Man
     objects = sorted(
         (
             RemoteObject(
-                key=_relative_key(root, str(info.get("name", name))),
+                key=key_of(fs, root, str(info.get("name", name))),
                 size=None if info.get("size") is None else int(info["size"]),
                 version=_version(info),
             )

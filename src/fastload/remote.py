@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import random
 import re
+import time
 import urllib.parse
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -22,6 +25,7 @@ from fastload.errors import (
     RemoteNotFoundError,
 )
 
+T = TypeVar("T")
 _THROTTLE_PATTERN = re.compile(r"SlowDown|Throttl|TooManyRequests|RequestLimitExceeded|\b429\b")
 _TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 _PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId"}
@@ -52,6 +56,30 @@ def remote_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
     if protocol in ("file", "local") or "://" in path:
         return public_url(path)
     return f"{protocol}://{path}"
+
+
+def _is_http(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return any(p in ("http", "https") for p in protocols)
+
+
+def key_of(fs: fsspec.AbstractFileSystem, root: str, name: str) -> str:
+    """The key of a listed path below root: ``/``-separated, percent-decoded for HTTP."""
+    name = name.rstrip("/")
+    if name == root.rstrip("/"):
+        return ""
+    prefix = root.rstrip("/") + "/"
+    if not name.startswith(prefix):
+        raise RemoteError(errno.EIO, f"listing of {root} returned {name}, which is not below it")
+    key = name[len(prefix) :]
+    return urllib.parse.unquote(key) if _is_http(fs) else key
+
+
+def path_of(fs: fsspec.AbstractFileSystem, root: str, key: str) -> str:
+    """The filesystem path of key below root (the inverse of key_of)."""
+    if key == "":
+        return root
+    return f"{root.rstrip('/')}/{urllib.parse.quote(key) if _is_http(fs) else key}"
 
 
 def _status(exc: BaseException) -> int | None:
@@ -114,6 +142,26 @@ def classify(exc: BaseException, url: str) -> RemoteError:
 
 def is_transient(error: RemoteError) -> bool:
     return not isinstance(error, (RemoteNotFoundError, RemoteAccessError))
+
+
+def backoff_s(attempt: int, base_s: float, max_s: float) -> float:
+    """Exponential backoff with jitter: the wait before retry number attempt (1-based)."""
+    cap = min(max_s, base_s * 2 ** (attempt - 1))
+    return random.uniform(cap / 2, cap)
+
+
+def with_retries(fn: Callable[[], T], url: str, *, retries: int = 5, base_s: float = 0.1) -> T:
+    """fn(), retried on transient failures; a permanent one raises at once, naming url."""
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            error = classify(exc, url)
+            attempt += 1
+            if not is_transient(error) or attempt > retries:
+                raise error from exc
+            time.sleep(backoff_s(attempt, base_s, 5.0))
 
 
 def integrity_error(url: str, what: str) -> RemoteIntegrityError:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +24,14 @@ import fsspec.asyn
 from fastload.cache import Cache, FetchLock
 from fastload.errors import CacheError, FastloadError, RemoteError
 from fastload.manifest import Manifest, RemoteObject
-from fastload.remote import classify, integrity_error, is_throttling, is_transient
+from fastload.remote import (
+    backoff_s,
+    classify,
+    integrity_error,
+    is_throttling,
+    is_transient,
+    path_of,
+)
 
 Outcome = Literal["cached", "fetched", "skipped", "failed"]
 
@@ -127,7 +133,7 @@ class Stager:
     config: FetchConfig = field(default_factory=FetchConfig)
 
     def remote_path(self, obj: RemoteObject) -> str:
-        return self.root if obj.key == "" else f"{self.root.rstrip('/')}/{obj.key}"
+        return path_of(self.fs, self.root, obj.key)
 
     def stage(
         self,
@@ -210,10 +216,8 @@ class Stager:
                         await throttle.throttled()
                     if attempts > self.config.retries:
                         return StageResult(url, "failed", 0, attempts, str(exc))
-                    cap = min(
-                        self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempts - 1)
-                    )
-                    await asyncio.sleep(random.uniform(cap / 2, cap))  # jitter spreads retries
+                    c = self.config
+                    await asyncio.sleep(backoff_s(attempts, c.backoff_s, c.backoff_max_s))
             published = await asyncio.to_thread(self._write_and_publish, url, obj, data)
             outcome: Outcome = "fetched" if published else "skipped"
             return StageResult(url, outcome, len(data), attempts)

@@ -1,0 +1,389 @@
+"""Knobs, fault injection and request counters shared by the loopback test servers.
+
+Both :class:`~fastload.testing.RangeHTTPServer` and :class:`~fastload.testing.S3Server`
+inherit :class:`RemoteControls`, so tests drive them the same way: adjust latency and
+bandwidth at runtime, queue faults for the next N requests, and read counters back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+import socket
+import socketserver
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from socket import socket as Socket
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "Fault",
+    "FaultKind",
+    "RemoteBehavior",
+    "RemoteControls",
+    "RequestStats",
+]
+
+logger = logging.getLogger("fastload.testing")
+
+# Without a bandwidth cap, bodies go out in chunks of this size.
+_UNPACED_CHUNK = 256 * 1024
+# With a cap, chunks are sized to about 1/50 s of transfer so pacing stays smooth.
+_PACED_CHUNK_MIN = 1024
+_PACED_CHUNK_MAX = 64 * 1024
+
+
+class _Unset(enum.Enum):
+    """Marks "not given" where None is a meaningful value (no bandwidth cap)."""
+
+    UNSET = enum.auto()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteBehavior:
+    """How a loopback server behaves for every request (change it with ``set_behavior``).
+
+    ``latency_s`` is slept before each response (time to first byte).
+    ``bandwidth_bytes_per_s`` caps each response body's send rate; it applies per
+    response, which equals per connection because a connection carries one response at
+    a time, so N parallel connections together get up to N times the cap. ``None`` means
+    unlimited.
+    """
+
+    latency_s: float = 0.0
+    bandwidth_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        if self.bandwidth_bytes_per_s is not None and self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(
+                f"bandwidth_bytes_per_s must be > 0 or None, got {self.bandwidth_bytes_per_s}"
+            )
+
+
+class FaultKind(enum.Enum):
+    """What an injected fault does to the request it hits."""
+
+    STATUS = "status"  # answer with an error status (S3 servers add an XML <Error> body)
+    TRUNCATE = "truncate"  # advertise the full Content-Length, send half the body, close
+    RESET = "reset"  # send nothing and reset the TCP connection (RST)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One injected fault, as handed to the server for the request it hits."""
+
+    kind: FaultKind
+    status: int = 500
+    code: str | None = None  # S3 error code; None picks the usual one for ``status``
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """A snapshot of a server's counters (paths are URL paths, percent-decoded, no query).
+
+    ``bytes_sent`` counts response body bytes as they are handed to the socket (headers
+    excluded; a write that fails midway still counts).
+    Every request that reached the server is counted, including ones hit by a fault.
+    """
+
+    requests: Mapping[tuple[str, str], int]  # (method, path) -> count
+    bytes_sent: int
+    faults_injected: int
+
+    @property
+    def by_path(self) -> Mapping[str, int]:
+        counts: Counter[str] = Counter()
+        for (_, path), n in self.requests.items():
+            counts[path] += n
+        return MappingProxyType(dict(counts))
+
+    @property
+    def by_method(self) -> Mapping[str, int]:
+        counts: Counter[str] = Counter()
+        for (method, _), n in self.requests.items():
+            counts[method] += n
+        return MappingProxyType(dict(counts))
+
+    @property
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+    def count(self, path: str | None = None, method: str | None = None) -> int:
+        """Requests matching ``path`` exactly and/or ``method`` (None matches any)."""
+        return sum(
+            n
+            for (m, p), n in self.requests.items()
+            if (path is None or p == path) and (method is None or m == method.upper())
+        )
+
+
+@dataclass
+class _PendingFault:
+    fault: Fault
+    remaining: int
+    path_contains: str | None
+    methods: frozenset[str] | None
+
+    def matches(self, method: str, path: str) -> bool:
+        if self.methods is not None and method not in self.methods:
+            return False
+        return self.path_contains is None or self.path_contains in path
+
+
+class RemoteControls:
+    """Thread-safe knobs, fault queue and counters; the servers inherit this.
+
+    Faults are consumed first-in first-out: each request takes the oldest queued fault
+    whose filters match it, if any.
+    """
+
+    def __init__(self, behavior: RemoteBehavior | None = None) -> None:
+        self._controls_lock = threading.Lock()
+        self._behavior = behavior if behavior is not None else RemoteBehavior()
+        self._faults: list[_PendingFault] = []
+        self._requests: Counter[tuple[str, str]] = Counter()
+        self._bytes_sent = 0
+        self._faults_injected = 0
+        # Set on close so sleeps for latency and bandwidth end at once instead of hanging.
+        self._closing = threading.Event()
+
+    # -- knobs -----------------------------------------------------------------------
+
+    @property
+    def behavior(self) -> RemoteBehavior:
+        with self._controls_lock:
+            return self._behavior
+
+    def set_behavior(
+        self,
+        behavior: RemoteBehavior | None = None,
+        *,
+        latency_s: float | None = None,
+        bandwidth_bytes_per_s: float | _Unset | None = _Unset.UNSET,
+    ) -> RemoteBehavior:
+        """Replace the behavior, or change single fields; returns the new behavior.
+
+        ``set_behavior(latency_s=0.2)`` keeps the bandwidth cap;
+        ``set_behavior(bandwidth_bytes_per_s=None)`` removes it. Requests already being
+        answered keep the behavior they started with.
+        """
+        changes: dict[str, Any] = {}
+        if latency_s is not None:
+            changes["latency_s"] = latency_s
+        if bandwidth_bytes_per_s is not _Unset.UNSET:
+            changes["bandwidth_bytes_per_s"] = bandwidth_bytes_per_s
+        with self._controls_lock:
+            base = behavior if behavior is not None else self._behavior
+            self._behavior = dataclasses.replace(base, **changes)
+            return self._behavior
+
+    # -- faults ----------------------------------------------------------------------
+
+    def fail_next(
+        self,
+        count: int = 1,
+        status: int = 503,
+        *,
+        code: str | None = None,
+        path_contains: str | None = None,
+        methods: Collection[str] | None = None,
+    ) -> None:
+        """Answer the next ``count`` matching requests with HTTP ``status`` (4xx/5xx).
+
+        ``code`` sets the S3 error code (default: 503 SlowDown, 500 InternalError,
+        403 AccessDenied, 404 NoSuchKey); the plain HTTP server puts it in the body.
+        """
+        if not 400 <= status <= 599:
+            raise ValueError(f"status must be a 4xx or 5xx code, got {status}")
+        self._queue(
+            Fault(kind=FaultKind.STATUS, status=status, code=code), count, path_contains, methods
+        )
+
+    def truncate_next(
+        self,
+        count: int = 1,
+        *,
+        path_contains: str | None = None,
+        methods: Collection[str] | None = ("GET",),
+    ) -> None:
+        """Send only half the body of the next ``count`` matching responses, then close.
+
+        Only GETs by default: HEAD responses have no body to cut short.
+        """
+        self._queue(Fault(kind=FaultKind.TRUNCATE), count, path_contains, methods)
+
+    def reset_next(
+        self,
+        count: int = 1,
+        *,
+        path_contains: str | None = None,
+        methods: Collection[str] | None = None,
+    ) -> None:
+        """Reset the connection (TCP RST, no response) for the next ``count`` matching requests."""
+        self._queue(Fault(kind=FaultKind.RESET), count, path_contains, methods)
+
+    def clear_faults(self) -> None:
+        with self._controls_lock:
+            self._faults.clear()
+
+    @property
+    def pending_faults(self) -> int:
+        """How many injected faults have not been consumed yet."""
+        with self._controls_lock:
+            return sum(f.remaining for f in self._faults)
+
+    def _queue(
+        self,
+        fault: Fault,
+        count: int,
+        path_contains: str | None,
+        methods: Collection[str] | None,
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if isinstance(methods, str):
+            raise TypeError("methods must be a collection of method names, not one string")
+        wanted = None if methods is None else frozenset(m.upper() for m in methods)
+        with self._controls_lock:
+            self._faults.append(_PendingFault(fault, count, path_contains, wanted))
+
+    # -- counters --------------------------------------------------------------------
+
+    def stats(self) -> RequestStats:
+        """A snapshot of the counters."""
+        with self._controls_lock:
+            return RequestStats(
+                requests=MappingProxyType(dict(self._requests)),
+                bytes_sent=self._bytes_sent,
+                faults_injected=self._faults_injected,
+            )
+
+    def reset_stats(self) -> None:
+        """Zero the counters (queued faults and behavior stay)."""
+        with self._controls_lock:
+            self._requests.clear()
+            self._bytes_sent = 0
+            self._faults_injected = 0
+
+    # -- for the servers ---------------------------------------------------------------
+
+    def _on_request(self, method: str, path: str) -> tuple[RemoteBehavior, Fault | None]:
+        """Count a request; return the behavior to apply and the fault it hits, if any."""
+        method = method.upper()
+        with self._controls_lock:
+            self._requests[(method, path)] += 1
+            for i, pending in enumerate(self._faults):
+                if pending.matches(method, path):
+                    pending.remaining -= 1
+                    if pending.remaining == 0:
+                        del self._faults[i]
+                    self._faults_injected += 1
+                    return self._behavior, pending.fault
+            return self._behavior, None
+
+    def _count_sent(self, nbytes: int) -> None:
+        with self._controls_lock:
+            self._bytes_sent += nbytes
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep unless the server is closing; False means stop serving at once."""
+        if seconds <= 0:
+            return not self._closing.is_set()
+        return not self._closing.wait(seconds)
+
+    def _paced(self, chunks: Iterable[bytes], behavior: RemoteBehavior) -> Iterator[bytes]:
+        """Re-chunk a body and pace it to the bandwidth cap, counting bytes as they go out.
+
+        Raises ConnectionAbortedError if the server starts closing meanwhile.
+        """
+        rate = behavior.bandwidth_bytes_per_s
+        if rate is None:
+            size = _UNPACED_CHUNK
+        else:
+            size = int(min(_PACED_CHUNK_MAX, max(_PACED_CHUNK_MIN, rate / 50)))
+        started = time.monotonic()
+        sent = 0
+        for chunk in chunks:
+            view = memoryview(chunk)
+            for offset in range(0, len(view), size):
+                piece = view[offset : offset + size]
+                if rate is not None:
+                    # Wait until the bytes already sent plus this piece fit the budget.
+                    due = started + (sent + len(piece)) / rate
+                    if not self._sleep(due - time.monotonic()):
+                        raise ConnectionAbortedError("server is closing")
+                # Count before handing the piece over, so a client that has the bytes
+                # never sees a counter that lags behind.
+                self._count_sent(len(piece))
+                sent += len(piece)
+                yield bytes(piece)
+
+
+def set_reset_on_close(sock: socket.socket) -> None:
+    """Make closing ``sock`` send a TCP RST instead of a FIN (SO_LINGER with timeout 0)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+class ConnectionTrackingMixin(socketserver.BaseServer):
+    """For threaded socketservers: never block on close, kill open connections, send RSTs.
+
+    Mixed in before the server class. ``process_request`` runs on the serving thread and
+    ``shutdown_request`` on the handler thread when it is done with a connection.
+    """
+
+    # Like object storage, accept bursts of hundreds of connections; the default backlog
+    # of 5 makes the kernel drop SYNs and clients stall for seconds in retransmits.
+    request_queue_size = 1024
+
+    socket: Socket  # the listening socket, as on socketserver.TCPServer
+    daemon_threads = True
+    block_on_close = False  # close() must never wait for a handler stuck on a client
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._connections: set[Socket] = set()
+        self._to_reset: set[Socket] = set()
+        self._connections_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def reset_connection(self, sock: Socket) -> None:
+        """Abort ``sock`` with an RST once its handler finishes (instead of a clean FIN)."""
+        set_reset_on_close(sock)
+        with self._connections_lock:
+            self._to_reset.add(sock)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+            abort = request in self._to_reset
+            self._to_reset.discard(request)
+        if abort:
+            # Skip the usual shutdown(SHUT_WR): a FIN before the RST reads as a clean EOF.
+            self.close_request(request)
+        else:
+            super().shutdown_request(request)
+
+    def close_all_connections(self) -> None:
+        """Shut down every open connection so idle keep-alive handlers exit now."""
+        with self._connections_lock:
+            connections = list(self._connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):  # already closed by its handler
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints tracebacks to stderr; tests read them from logging instead.
+        logger.debug("error while serving %s", client_address, exc_info=True)

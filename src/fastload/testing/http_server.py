@@ -1,0 +1,331 @@
+"""A loopback HTTP/1.1 server with byte ranges, knobs and fault injection, for tests.
+
+It serves a local directory read-only in the way fsspec's ``HTTPFileSystem`` expects
+from a static file server: HEAD for sizes, single ``Range`` requests for reads, and
+directory pages of ``<a href>`` links for ``ls``/``find``.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import mimetypes
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from email.utils import formatdate
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+from urllib.parse import quote, unquote, urlsplit
+
+from fastload.testing.faults import (
+    ConnectionTrackingMixin,
+    Fault,
+    FaultKind,
+    RemoteBehavior,
+    RemoteControls,
+    logger,
+)
+
+__all__ = ["RangeHTTPServer"]
+
+_RANGE_RE = re.compile(r"bytes=(\d*)-(\d*)")
+# An idle keep-alive connection is dropped after this long, so its thread ends.
+_IDLE_TIMEOUT_S = 60.0
+_CLOSE_TIMEOUT_S = 5.0
+
+
+class _Unsatisfiable(Exception):
+    pass
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """Parse a single byte range into [start, end); None means serve the whole file.
+
+    Malformed and multi-range headers are ignored (RFC 9110 allows that), which fsspec
+    never sends anyway. Raises _Unsatisfiable for ranges entirely past the end.
+    """
+    match = _RANGE_RE.fullmatch(header.strip())
+    if match is None:
+        return None
+    first, last = match.groups()
+    if first:
+        start = int(first)
+        if last and int(last) < start:
+            return None
+        if start >= size:
+            raise _Unsatisfiable
+        end = size if not last else min(int(last) + 1, size)
+        return start, end
+    if last:  # suffix range: the final N bytes
+        n = int(last)
+        if n == 0 or size == 0:
+            raise _Unsatisfiable
+        return max(0, size - n), size
+    return None  # "bytes=-"
+
+
+def _read_chunks(f: BinaryIO, start: int, length: int) -> Iterator[bytes]:
+    f.seek(start)
+    while length > 0:
+        chunk = f.read(min(length, 1 << 20))
+        if not chunk:
+            return  # the file shrank under us; the client sees a short body
+        length -= len(chunk)
+        yield chunk
+
+
+class _Server(ConnectionTrackingMixin, ThreadingHTTPServer):
+    controls: RangeHTTPServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"  # keep-alive; every response carries a Content-Length
+    server_version = "fastload-testing"
+    timeout = _IDLE_TIMEOUT_S
+    # Headers and body go out in separate writes; with Nagle on, the body waits for the
+    # client's delayed ACK (~40 ms a request). Latency is the knob's job, not TCP's.
+    disable_nagle_algorithm = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        logger.debug("http %s - " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._serve(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._serve(send_body=False)
+
+    def _refuse_method(self) -> None:
+        # Read-only. Close afterwards: we do not read the request body.
+        self.server.controls._on_request(self.command, self._url_path())
+        self.close_connection = True
+        self._send_simple(
+            HTTPStatus.METHOD_NOT_ALLOWED, b"read-only server\n", {"Allow": "GET, HEAD"}
+        )
+
+    do_PUT = do_POST = do_DELETE = do_PATCH = _refuse_method
+
+    def _url_path(self) -> str:
+        return unquote(urlsplit(self.path).path)
+
+    def _serve(self, *, send_body: bool) -> None:
+        controls = self.server.controls
+        path = self._url_path()
+        behavior, fault = controls._on_request(self.command, path)
+        if not controls._sleep(behavior.latency_s):
+            self.close_connection = True  # server closing
+            return
+        if fault is not None and fault.kind is FaultKind.RESET:
+            self.close_connection = True
+            self.server.reset_connection(self.connection)
+            return
+        if fault is not None and fault.kind is FaultKind.STATUS:
+            self._send_fault_status(fault)
+            return
+        truncate = fault is not None and fault.kind is FaultKind.TRUNCATE
+        try:
+            target = self.server.controls._resolve(path)
+            if target is None:
+                self._send_simple(HTTPStatus.NOT_FOUND, b"not found\n")
+            elif target.is_dir():
+                self._send_listing(path, target, send_body, truncate, behavior)
+            else:
+                self._send_file(target, send_body, truncate, behavior)
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True  # client went away, or the server is closing
+
+    def _send_simple(
+        self, status: HTTPStatus | int, body: bytes, headers: dict[str, str] | None = None
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.server.controls._count_sent(len(body))
+            self.wfile.write(body)
+
+    def _send_fault_status(self, fault: Fault) -> None:
+        reason = fault.code or HTTPStatus(fault.status).phrase
+        self._send_simple(fault.status, f"injected fault: {reason}\n".encode())
+
+    def _send_body(
+        self, read: Callable[[int], Iterator[bytes]], length: int, truncate: bool, b: RemoteBehavior
+    ) -> None:
+        """Send ``length`` body bytes from ``read(n)``, or only half of them when truncating."""
+        if truncate:
+            # Content-Length already promised `length` bytes; stop halfway and hang up.
+            length //= 2
+            self.close_connection = True
+        for piece in self.server.controls._paced(read(length), b):
+            self.wfile.write(piece)
+
+    def _send_listing(
+        self, url_path: str, directory: Path, send_body: bool, truncate: bool, b: RemoteBehavior
+    ) -> None:
+        body = self.server.controls._listing(url_path, directory)
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if send_body:
+            self._send_body(lambda n: iter([body[:n]]), len(body), truncate, b)
+
+    def _send_file(self, target: Path, send_body: bool, truncate: bool, b: RemoteBehavior) -> None:
+        try:
+            f = target.open("rb")
+        except OSError:
+            self._send_simple(HTTPStatus.NOT_FOUND, b"not found\n")
+            return
+        with f:
+            st = os.fstat(f.fileno())
+            size = st.st_size
+            etag = f'"{size:x}-{st.st_mtime_ns:x}"'
+            last_modified = formatdate(st.st_mtime, usegmt=True)
+            headers = {
+                "Accept-Ranges": "bytes",
+                "ETag": etag,
+                "Last-Modified": last_modified,
+                "Content-Type": mimetypes.guess_type(target.name)[0] or "application/octet-stream",
+            }
+            byte_range: tuple[int, int] | None = None
+            range_header = self.headers.get("Range")
+            if_range = self.headers.get("If-Range")
+            # If-Range: the range only applies to the version the client already has.
+            if range_header is not None and if_range in (None, etag, last_modified):
+                try:
+                    byte_range = _parse_range(range_header, size)
+                except _Unsatisfiable:
+                    self._send_simple(
+                        HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE,
+                        b"",
+                        {"Content-Range": f"bytes */{size}"},
+                    )
+                    return
+            if byte_range is None:
+                start, end = 0, size
+                self.send_response(HTTPStatus.OK)
+            else:
+                start, end = byte_range
+                self.send_response(HTTPStatus.PARTIAL_CONTENT)
+                headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+            headers["Content-Length"] = str(end - start)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            if send_body:
+                read = functools.partial(_read_chunks, f, start)
+                self._send_body(read, end - start, truncate, b)
+
+
+class RangeHTTPServer(RemoteControls):
+    """Serve ``root`` read-only on ``http://127.0.0.1:<free port>`` from daemon threads.
+
+    Starts on construction; use it as a context manager or call ``close()``. Supports
+    GET/HEAD, single byte ranges (206/416), ETag/Last-Modified, keep-alive, and HTML
+    directory pages fsspec's ``HTTPFileSystem.ls``/``find`` can follow (subdirectory
+    links end in ``/``). Knobs, faults and counters come from ``RemoteControls``.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, behavior: RemoteBehavior | None = None):
+        super().__init__(behavior)
+        self._root = Path(root).resolve(strict=True)
+        if not self._root.is_dir():
+            raise NotADirectoryError(self._root)
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.controls = self
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"RangeHTTPServer:{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT``, without a trailing slash."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def url_for(self, relpath: str | os.PathLike[str] = "") -> str:
+        """The URL of a path relative to ``root`` (percent-encoded; "" is the root page)."""
+        rel = Path(relpath).as_posix().lstrip("/")
+        return f"{self.url}/{quote(rel)}" if rel not in ("", ".") else f"{self.url}/"
+
+    def close(self) -> None:
+        """Stop serving and drop open connections; idempotent and bounded in time."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._closing.set()  # wakes handlers sleeping for latency or bandwidth
+        if self._thread.is_alive():
+            self._server.shutdown()
+        self._server.close_all_connections()
+        self._server.server_close()
+        self._thread.join(_CLOSE_TIMEOUT_S)
+
+    def __enter__(self) -> RangeHTTPServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RangeHTTPServer({str(self._root)!r}, url={self.url!r})"
+
+    # -- used by the handler ------------------------------------------------------------
+
+    def _resolve(self, url_path: str) -> Path | None:
+        """The existing file or directory for a URL path, or None (missing or outside root)."""
+        if "\x00" in url_path:
+            return None
+        try:
+            target = (self._root / url_path.lstrip("/")).resolve(strict=True)
+        except (OSError, RuntimeError):  # missing, or a symlink loop
+            return None
+        return target if target.is_relative_to(self._root) else None
+
+    def _listing(self, url_path: str, directory: Path) -> bytes:
+        # Links are absolute paths: fsspec turns "/x" into "http://host:port/x" and keeps
+        # those under the listed URL; a trailing "/" is how it tells directories apart.
+        # No full "http://" URLs appear in the text, since fsspec would collect those too.
+        base = "/" + url_path.strip("/")
+        base = base if base == "/" else base + "/"
+        items = []
+        for entry in sorted(directory.iterdir(), key=lambda p: p.name):
+            target = self._resolve(base + entry.name)
+            if target is None:
+                continue  # dangling, or a symlink out of root: not served, so not listed
+            suffix = "/" if target.is_dir() else ""
+            href = quote(base + entry.name + suffix)
+            items.append(f'<li><a href="{href}">{html.escape(entry.name + suffix)}</a></li>')
+        title = html.escape(f"Index of {base}")
+        page = (
+            f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{title}</title></head>\n'
+            f"<body><h1>{title}</h1>\n<ul>\n" + "\n".join(items) + "\n</ul></body></html>\n"
+        )
+        return page.encode("utf-8")
