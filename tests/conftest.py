@@ -64,6 +64,7 @@ class Remote:
             self.server.put("data", f"ds/{key}", data)
         else:
             path = self.source_dir / "ds" / key
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
             os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
 

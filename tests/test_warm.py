@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import signal
@@ -14,7 +15,7 @@ import pytest
 from conftest import Remote, open_remote
 
 from fastload.cache import Cache, checksum_bytes
-from fastload.errors import RemoteAccessError, RemoteError, RemoteNotFoundError
+from fastload.errors import CacheError, RemoteAccessError, RemoteError, RemoteNotFoundError
 from fastload.stage import FetchConfig
 from fastload.warm import warm
 
@@ -380,3 +381,85 @@ def test_cli_warm_failure_exits_1_with_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "nothing-here" in out.stderr
     assert out.stderr.count("\n") == 1
+
+
+# --- large objects, full disks, one-object datasets, progress --------------------------------
+
+
+def test_large_objects_are_fetched_as_parallel_ranges(served: Remote, tmp_path: Path) -> None:
+    big = bytes(range(256)) * 4000  # 1 MB
+    served.replace("big/blob.bin", big)
+    config = FetchConfig(range_threshold_bytes=200_000, range_bytes=100_000)
+    report = warm(
+        served.url,
+        cache_dir=str(tmp_path),
+        storage_options=served.storage_options,
+        keys=["big/blob.bin"],
+        fetch=config,
+        progress=False,
+    )
+    assert report.fetched == 1
+    assert served.gets("big/blob.bin") >= 10  # one GET per range
+    assert cached_bytes(tmp_path, served)["big/blob.bin"] == big
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path):
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_no_corrupt_entry(
+    tmp_path: Path, tiny_disk: Path
+) -> None:
+    with open_remote("local", tmp_path, count=40) as remote:  # about 3 MB
+        with pytest.raises(CacheError, match="no space left") as info:
+            warm(remote.url, cache_dir=str(tiny_disk), progress=False)
+        assert isinstance(info.value, OSError)
+        with Cache(tiny_disk) as cache:
+            assert cache.verify(repair=False) == []
+            assert cache.entries()  # what fitted stays cached
+        assert list((tiny_disk / "tmp").iterdir()) == []
+
+
+def test_a_url_naming_one_object_is_a_one_object_dataset(remote: Remote, tmp_path: Path) -> None:
+    key = sorted(remote.files)[2]
+    url = f"{remote.url.rstrip('/')}/{key}"
+    if remote.kind == "http":
+        url = remote.server.url_for(f"ds/{key}")
+    report = warm(
+        url, cache_dir=str(tmp_path), storage_options=remote.storage_options, progress=False
+    )
+    assert (report.objects, report.fetched) == (1, 1)
+    assert report.bytes == len(remote.files[key])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_shows_rate_and_eta_on_a_terminal_only() -> None:
+    from fastload.stage import _Progress
+    from fastload.warm import ProgressBar
+
+    terminal, pipe = _Terminal(), io.StringIO()
+    for stream in (terminal, pipe):
+        bar = ProgressBar(2, 2_000_000, stream=stream)
+        bar(_Progress(objects_done=1, bytes_done=1_000_000, fetched_bytes=1_000_000))
+        bar(_Progress(objects_done=2, bytes_done=2_000_000, fetched_bytes=2_000_000))
+    assert "2/2 objects" in terminal.getvalue()
+    assert "MB/s" in terminal.getvalue()
+    assert "ETA" in terminal.getvalue()
+    assert pipe.getvalue() == ""

@@ -243,8 +243,8 @@ def _disk_error(exc: OSError, path: Path) -> CacheError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return CacheError(
             exc.errno,
-            f"no space left on the device of {path.parent.parent} while caching; free space "
-            "or give the cache a max_bytes below the free space",
+            f"no space left on the device holding {path} while caching; free space or give "
+            "the cache a max_bytes below the free space (fastload warm --max-bytes)",
             str(path),
         )
     return CacheError(exc.errno or errno.EIO, f"cannot write {path}: {exc.strerror}", str(path))
@@ -305,13 +305,20 @@ class Cache:
         """A write transaction, serialized across every process using the cache."""
         with self._lock:
             db = self._conn()
-            db.execute("BEGIN IMMEDIATE")
             try:
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                if "full" in str(exc):
+                    raise _disk_error(OSError(errno.ENOSPC, str(exc)), self.dir) from exc
+                raise CacheError(
+                    errno.EIO, f"cache index {self.dir / 'index.sqlite'}: {exc}"
+                ) from exc
 
     def entry(self, url: str) -> Entry | None:
         with self._lock:

@@ -58,7 +58,7 @@ def remote_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return f"{protocol}://{path}"
 
 
-def _is_http(fs: fsspec.AbstractFileSystem) -> bool:
+def is_http(fs: fsspec.AbstractFileSystem) -> bool:
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     return any(p in ("http", "https") for p in protocols)
 
@@ -72,14 +72,14 @@ def key_of(fs: fsspec.AbstractFileSystem, root: str, name: str) -> str:
     if not name.startswith(prefix):
         raise RemoteError(errno.EIO, f"listing of {root} returned {name}, which is not below it")
     key = name[len(prefix) :]
-    return urllib.parse.unquote(key) if _is_http(fs) else key
+    return urllib.parse.unquote(key) if is_http(fs) else key
 
 
 def path_of(fs: fsspec.AbstractFileSystem, root: str, key: str) -> str:
     """The filesystem path of key below root (the inverse of key_of)."""
     if key == "":
         return root
-    return f"{root.rstrip('/')}/{urllib.parse.quote(key) if _is_http(fs) else key}"
+    return f"{root.rstrip('/')}/{urllib.parse.quote(key) if is_http(fs) else key}"
 
 
 def _status(exc: BaseException) -> int | None:
