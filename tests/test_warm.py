@@ -463,3 +463,28 @@ def test_progress_bar_shows_rate_and_eta_on_a_terminal_only() -> None:
     assert "MB/s" in terminal.getvalue()
     assert "ETA" in terminal.getvalue()
     assert pipe.getvalue() == ""
+
+
+@pytest.mark.parametrize("rate", [0.2, 0.5])
+def test_random_faults_at_a_rate_still_give_every_byte_right(
+    served: Remote, tmp_path: Path, rate
+) -> None:
+    warm(
+        served.url,
+        cache_dir=str(tmp_path),
+        storage_options=served.storage_options,
+        keys=[],
+        progress=False,
+    )  # list cleanly; the faults are for the objects
+    served.server.set_fault_rate(rate, seed=3)
+    config = FetchConfig(jobs=8, retries=20, backoff_s=0.005, backoff_max_s=0.02, timeout_s=10)
+    report = warm(
+        served.url,
+        cache_dir=str(tmp_path),
+        storage_options=served.storage_options,
+        fetch=config,
+        progress=False,
+    )
+    assert report.ok, report.failures
+    assert served.server.stats().faults_injected >= 3
+    assert_all_cached_and_right(tmp_path, served)

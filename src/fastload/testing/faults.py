@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import random
 import socket
 import socketserver
 import struct
@@ -153,6 +154,11 @@ class RemoteControls:
         self._requests: Counter[tuple[str, str]] = Counter()
         self._bytes_sent = 0
         self._faults_injected = 0
+        # Random faults: each matching request fails with this probability.
+        self._fault_rate = 0.0
+        self._rate_faults: tuple[Fault, ...] = ()
+        self._rate_methods: frozenset[str] | None = None
+        self._rng = random.Random(0)
         # Set on close so sleeps for latency and bandwidth end at once instead of hanging.
         self._closing = threading.Event()
 
@@ -231,9 +237,36 @@ class RemoteControls:
         """Reset the connection (TCP RST, no response) for the next ``count`` matching requests."""
         self._queue(Fault(kind=FaultKind.RESET), count, path_contains, methods)
 
+    def set_fault_rate(
+        self,
+        rate: float,
+        faults: Collection[Fault] = (
+            Fault(kind=FaultKind.STATUS, status=503),
+            Fault(kind=FaultKind.STATUS, status=500),
+            Fault(kind=FaultKind.TRUNCATE),
+            Fault(kind=FaultKind.RESET),
+        ),
+        *,
+        methods: Collection[str] | None = ("GET",),
+        seed: int = 0,
+    ) -> None:
+        """Fail each matching request with probability ``rate``, with a fault drawn from
+        ``faults`` (seeded, so a test sees the same sequence each run). Queued faults
+        (``fail_next`` and friends) take precedence. ``rate=0`` turns this off."""
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must be within [0, 1], got {rate}")
+        if rate and not faults:
+            raise ValueError("a non-zero rate needs at least one fault to draw from")
+        with self._controls_lock:
+            self._fault_rate = rate
+            self._rate_faults = tuple(faults)
+            self._rate_methods = None if methods is None else frozenset(m.upper() for m in methods)
+            self._rng = random.Random(seed)
+
     def clear_faults(self) -> None:
         with self._controls_lock:
             self._faults.clear()
+            self._fault_rate = 0.0
 
     @property
     def pending_faults(self) -> int:
@@ -288,6 +321,13 @@ class RemoteControls:
                         del self._faults[i]
                     self._faults_injected += 1
                     return self._behavior, pending.fault
+            if (
+                self._fault_rate
+                and (self._rate_methods is None or method in self._rate_methods)
+                and self._rng.random() < self._fault_rate
+            ):
+                self._faults_injected += 1
+                return self._behavior, self._rng.choice(self._rate_faults)
             return self._behavior, None
 
     def _count_sent(self, nbytes: int) -> None:
