@@ -135,6 +135,14 @@ class Stager:
     def remote_path(self, obj: RemoteObject) -> str:
         return path_of(self.fs, self.root, obj.key)
 
+    def failure(self, obj: RemoteObject, result: StageResult) -> RemoteError:
+        """The error to raise for an object whose fetch failed after its retries."""
+        return RemoteError(
+            5,
+            f"{result.url} could not be fetched after {result.attempts} attempts: {result.error}",
+            result.url,
+        )
+
     def stage(
         self,
         objects: Sequence[RemoteObject],

@@ -1,0 +1,88 @@
+"""What every dataset format shares: shards, the mapping from sample index to shard, reads."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fastload.errors import FastloadError
+from fastload.store import CachedStore
+
+
+class DatasetError(FastloadError, ValueError):
+    """A dataset cannot be opened as asked (empty, malformed, hostile); the message says where."""
+
+
+class ShardedDataset:
+    """A map-style dataset whose samples live in shards, the unit of caching.
+
+    Subclasses set ``shard_sizes`` (samples per shard, in shard order) and ``shard_keys``
+    (the objects each shard reads) and implement ``_load(index)``. Sample indices are global:
+    shard ``s`` holds ``[shard_offsets[s], shard_offsets[s + 1])``.
+    """
+
+    format: str = "?"
+    format_reason: str = ""
+
+    def __init__(
+        self,
+        store: CachedStore,
+        shard_sizes: Sequence[int],
+        shard_keys: Sequence[Sequence[str]],
+    ) -> None:
+        if len(shard_sizes) != len(shard_keys):
+            raise ValueError("one list of keys per shard")
+        if sum(shard_sizes) == 0:
+            raise DatasetError(f"{store.url} holds no samples")
+        self.store = store
+        self.shard_sizes = [int(n) for n in shard_sizes]
+        self.shard_keys = [list(k) for k in shard_keys]
+        self.shard_offsets = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.shard_offsets[-1])
+
+    def shard_of(self, index: int) -> int:
+        return bisect.bisect_right(self.shard_offsets, index) - 1
+
+    def _check(self, index: int) -> int:
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"sample {index} is out of range for {self.store.url} ({n} samples)")
+        return index
+
+    def __getitem__(self, index: int) -> Any:
+        return self._load(self._check(int(index)))
+
+    def _load(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def warm(self, shards: Sequence[int] | None = None) -> None:
+        """Stages the given shards (all by default) into the cache now, in that order."""
+        order = range(len(self.shard_keys)) if shards is None else shards
+        keys = list(dict.fromkeys(k for s in order for k in self.shard_keys[s]))
+        results = self.store.stage(keys)
+        failed = [r for r in results if r.outcome == "failed"]
+        if failed:
+            raise self.store.stager.failure(self.store.object(keys[0]), failed[0])
+
+    def close(self) -> None:
+        """Closes the cache handle; the dataset re-opens it if used again."""
+        self.store.close()
+
+    def __enter__(self) -> ShardedDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.store.url!r}, {len(self)} samples in "
+            f"{len(self.shard_sizes)} shards)"
+        )

@@ -1,0 +1,640 @@
+"""Zarr v2 and v3 arrays, read chunk by chunk through fastload's cache.
+
+fastload reads Zarr itself: it parses the metadata (``.zarray``/``.zgroup`` for v2,
+``zarr.json`` for v3), fetches chunk files through :class:`~fastload.store.CachedStore`
+and decodes them with ``numcodecs`` (imported when the first codec is needed). zarr-python
+is not used. A sample is one row (index along axis 0) of every array::
+
+    root/                     dataset[i] == {"images": images[i], "labels": labels[i]}
+      images/ (N, 8, 8, 3)    shard s == chunk-row s of the first (primary) array:
+      labels/ (N,)              rows [s * 7, (s + 1) * 7) with images chunked (7, 8, 4, 3);
+                                its keys: every images chunk of that chunk-row plus the
+                                labels chunks (any chunking) that overlap those rows
+
+A root that is a single array gives the row itself. Missing chunk files read as the
+array's fill value. Decoded chunk-rows are kept in a small per-process LRU, bounded by
+bytes, so consecutive rows decode each chunk once.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import importlib
+import itertools
+import json
+import math
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from fastload.datasets.base import DatasetError, ShardedDataset
+from fastload.store import CachedStore
+
+DEFAULT_CHUNK_CACHE_BYTES = 256 << 20
+_ENTRY_OVERHEAD_BYTES = 256  # counted per cached entry, so fill-only ones are bounded too
+
+# v3 core data types -> numpy kinds; the byte order comes from the "bytes" codec.
+_V3_DTYPES = {
+    "bool": "b1",
+    "int8": "i1",
+    "int16": "i2",
+    "int32": "i4",
+    "int64": "i8",
+    "uint8": "u1",
+    "uint16": "u2",
+    "uint32": "u4",
+    "uint64": "u8",
+    "float16": "f2",
+    "float32": "f4",
+    "float64": "f8",
+    "complex64": "c8",
+    "complex128": "c16",
+}
+# v3 bytes-to-bytes codecs -> numcodecs ids (blosc, gzip and zstd frames describe themselves,
+# so their configuration is not needed to decode).
+_V3_BYTES_CODECS = {"blosc": "blosc", "gzip": "gzip", "zstd": "zstd", "crc32c": "crc32c"}
+
+Array = npt.NDArray[Any]
+
+
+def _numcodecs() -> Any:
+    try:
+        return importlib.import_module("numcodecs")
+    except ImportError as e:
+        raise ImportError(
+            "reading Zarr needs numcodecs: pip install numcodecs (or pip install 'fastload[zarr]')"
+        ) from e
+
+
+@functools.lru_cache(maxsize=64)
+def _codec(config_json: str) -> Any:
+    """A numcodecs codec from its JSON config, made once per process."""
+    config = json.loads(config_json)
+    numcodecs = _numcodecs()
+    if config["id"] == "crc32c" and not hasattr(numcodecs, "CRC32C"):
+        raise ImportError(
+            "this Zarr array checks chunks with crc32c, which numcodecs computes with "
+            "google-crc32c: pip install google-crc32c"
+        )
+    return numcodecs.get_codec(config)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZarrArray:
+    """One array's metadata, normalized across Zarr v2 and v3.
+
+    ``dtype`` is the dtype rows come out in (native byte order); ``codecs`` are numcodecs
+    configs in decoding order; a chunk's bytes hold ``encoded_shape`` in ``order``, turned
+    back with ``permutation`` (v3 ``transpose``).
+    """
+
+    name: str  # "" for an array at the dataset root
+    zarr_format: int
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: np.dtype[Any]
+    stored_dtype: np.dtype[Any]
+    fill_value: Array  # 0-d, in dtype
+    codecs: tuple[str, ...]  # JSON of numcodecs configs, in decoding order
+    order: Literal["C", "F"] = "C"
+    permutation: tuple[int, ...] | None = None
+    key_prefix: str = ""  # "images/" + ("c/" for v3 default encoding)
+    separator: str = "."
+
+    @property
+    def rows_per_chunk(self) -> int:
+        return self.chunks[0]
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Chunks along each axis."""
+        return tuple(math.ceil(s / c) for s, c in zip(self.shape, self.chunks, strict=True))
+
+    def chunk_key(self, index: Sequence[int]) -> str:
+        return self.key_prefix + self.separator.join(str(i) for i in index)
+
+    def chunk_row_keys(self, row: int) -> list[str]:
+        """Keys of every chunk in chunk-row ``row`` (all chunks along the other axes)."""
+        return [
+            self.chunk_key((row, *rest)) for rest in itertools.product(*map(range, self.grid[1:]))
+        ]
+
+    def decode(self, raw: bytes, where: str) -> Array:
+        """A chunk's bytes as an array of ``chunks`` shape in ``dtype`` (read-only)."""
+        data: Any = raw
+        for config in self.codecs:
+            try:
+                data = _codec(config).decode(data)
+            except ImportError:
+                raise
+            except Exception as e:
+                raise DatasetError(
+                    f"{where}: decoding with {json.loads(config)['id']} failed ({e}); the chunk "
+                    "file is damaged or was not written with this metadata; open the dataset "
+                    "with refresh=True if it changed, else rewrite the chunk"
+                ) from e
+        flat = (
+            np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            if isinstance(data, np.ndarray)
+            else np.frombuffer(data, dtype=np.uint8)
+        )
+        encoded_shape = self.chunks
+        if self.permutation is not None:
+            encoded_shape = tuple(self.chunks[p] for p in self.permutation)
+        expected = math.prod(encoded_shape) * self.stored_dtype.itemsize
+        if flat.nbytes != expected:
+            raise DatasetError(
+                f"{where}: decoded chunk has {flat.nbytes} bytes, expected {expected} "
+                f"({self.chunks} of {self.stored_dtype}); the chunk file does not match the "
+                "array's metadata; rewrite it or open the dataset with refresh=True"
+            )
+        chunk = flat.view(self.stored_dtype).reshape(encoded_shape, order=self.order)
+        if self.permutation is not None:
+            chunk = chunk.transpose(np.argsort(self.permutation))
+        if chunk.dtype != self.dtype:
+            chunk = chunk.astype(self.dtype)
+        chunk.setflags(write=False)
+        return chunk
+
+
+class DecodedChunkCache:
+    """An LRU of decoded chunk-rows, bounded by bytes, private to one process.
+
+    It pickles to its budget only and empties itself after a fork, so DataLoader workers
+    each keep their own (and never inherit a lock held by another thread).
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_CHUNK_CACHE_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"chunk_cache_bytes must be >= 0 (0 turns it off), got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[str, int], tuple[Array, int]] = OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __reduce__(self) -> tuple[type[DecodedChunkCache], tuple[int]]:
+        return (type(self), (self.max_bytes,))
+
+    def get(self, key: tuple[str, int]) -> Array | None:
+        if self._pid != os.getpid():
+            self._reset()
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item[0]
+
+    def put(self, key: tuple[str, int], value: Array, nbytes: int) -> None:
+        if nbytes > self.max_bytes:
+            return  # larger than the whole budget: keeping it would only evict the rest
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            self._items[key] = (value, nbytes)
+            self.nbytes += nbytes
+            while self.nbytes > self.max_bytes:
+                _, (_, n) = self._items.popitem(last=False)
+                self.nbytes -= n
+
+    def clear(self) -> None:
+        """Drops every entry and zeroes the counters."""
+        with self._lock:
+            self._items.clear()
+            self.nbytes = self.hits = self.misses = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "entries": len(self._items),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+        }
+
+
+class ZarrDataset(ShardedDataset):
+    """A Zarr v2/v3 array or group whose sample ``i`` is row ``i`` of each array.
+
+    ``arrays`` picks arrays of a group (default: every array directly in it, sorted by
+    name); they must share the length of axis 0, and the first is the primary array whose
+    chunk-rows are the shards. ``chunk_cache_bytes`` bounds the per-process cache of
+    decoded chunk-rows (0 turns it off; make it larger than one chunk-row of all arrays).
+    """
+
+    format = "zarr"
+
+    def __init__(
+        self,
+        store: CachedStore,
+        *,
+        arrays: Sequence[str] | str | None = None,
+        chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES,
+    ) -> None:
+        self.decoded = DecodedChunkCache(chunk_cache_bytes)
+        keys = store.object_keys()
+        self._existing = frozenset(keys)
+        self.is_group, self.arrays = _open_root(store, self._existing, arrays)
+        primary = next(iter(self.arrays.values()))
+        self.zarr_format = primary.zarr_format
+        n, per = primary.shape[0], primary.rows_per_chunk
+        sizes = [min(per, n - start) for start in range(0, n, per)]
+        shard_keys: list[list[str]] = []
+        for s, size in enumerate(sizes):
+            start, stop = s * per, s * per + size
+            wanted = (
+                k
+                for a in self.arrays.values()
+                for row in range(start // a.rows_per_chunk, (stop - 1) // a.rows_per_chunk + 1)
+                for k in a.chunk_row_keys(row)
+            )
+            shard_keys.append([k for k in dict.fromkeys(wanted) if k in self._existing])
+        super().__init__(store, sizes, shard_keys)
+
+    # --- samples ---------------------------------------------------------------------------
+
+    def _load(self, index: int) -> Any:
+        rows = {name: self._row(a, index) for name, a in self.arrays.items()}
+        return rows if self.is_group else rows[""]
+
+    def get_rows(self, start: int, stop: int) -> Any:
+        """Rows ``[start, stop)`` of each array as one array per name (a dict for a group)."""
+        n = len(self)
+        if not 0 <= start <= stop <= n:
+            raise IndexError(
+                f"rows [{start}, {stop}) are not within [0, {n}] of {self.store.url}; "
+                "expected 0 <= start <= stop <= len(dataset)"
+            )
+        out = {name: self._rows(a, start, stop) for name, a in self.arrays.items()}
+        return out if self.is_group else out[""]
+
+    def _row(self, a: ZarrArray, index: int) -> Array:
+        block_row, at = divmod(index, a.rows_per_chunk)
+        return np.array(self._block(a, block_row)[at])  # a copy: the cached block stays intact
+
+    def _rows(self, a: ZarrArray, start: int, stop: int) -> Array:
+        out = np.empty((stop - start, *a.shape[1:]), dtype=a.dtype)
+        per = a.rows_per_chunk
+        for block_row in range(start // per, (stop - 1) // per + 1 if stop > start else 0):
+            lo, hi = max(start, block_row * per), min(stop, (block_row + 1) * per)
+            block = self._block(a, block_row)
+            out[lo - start : hi - start] = block[lo - block_row * per : hi - block_row * per]
+        return out
+
+    def _block(self, a: ZarrArray, block_row: int) -> Array:
+        """Chunk-row ``block_row`` of ``a`` decoded and trimmed to the array's extent."""
+        cached = self.decoded.get((a.name, block_row))
+        if cached is not None:
+            return cached
+        rows = min(a.rows_per_chunk, a.shape[0] - block_row * a.rows_per_chunk)
+        shape = (rows, *a.shape[1:])
+        if all(g == 1 for g in a.grid[1:]):
+            # One chunk spans the other axes: a view of it, no copy.
+            chunk = self._chunk(a, (block_row,) + (0,) * (len(shape) - 1))
+            if chunk is None:  # never written: the fill value, broadcast without memory
+                block, nbytes = np.broadcast_to(a.fill_value, shape), _ENTRY_OVERHEAD_BYTES
+            else:
+                block = chunk[tuple(slice(0, s) for s in shape)]
+                nbytes = chunk.nbytes + _ENTRY_OVERHEAD_BYTES
+        else:
+            block = np.empty(shape, dtype=a.dtype)
+            for rest in itertools.product(*map(range, a.grid[1:])):
+                region = tuple(
+                    slice(i * c, min((i + 1) * c, s))
+                    for i, c, s in zip(rest, a.chunks[1:], a.shape[1:], strict=True)
+                )
+                part = self._chunk(a, (block_row, *rest))
+                dest = block[(slice(None), *region)]
+                if part is None:
+                    dest[...] = a.fill_value
+                else:
+                    dest[...] = part[
+                        (slice(0, rows), *(slice(0, r.stop - r.start) for r in region))
+                    ]
+            block.setflags(write=False)
+            nbytes = block.nbytes + _ENTRY_OVERHEAD_BYTES
+        self.decoded.put((a.name, block_row), block, nbytes)
+        return block
+
+    def _chunk(self, a: ZarrArray, index: tuple[int, ...]) -> Array | None:
+        key = a.chunk_key(index)
+        if key not in self._existing:
+            return None  # never written: the fill value
+        return a.decode(self.store.read(key), f"{self.store.url}/{key}")
+
+
+# --- metadata ------------------------------------------------------------------------------
+
+
+def _open_root(
+    store: CachedStore, existing: frozenset[str], arrays: Sequence[str] | str | None
+) -> tuple[bool, dict[str, ZarrArray]]:
+    """(is the root a group, its arrays by name in sample order)."""
+    url = store.url
+    root = _read_node(store, existing, "")
+    if root is None:
+        nested = sorted(
+            k.rsplit("/", 1)[0]
+            for k in existing
+            if k.rsplit("/", 1)[-1] in (".zarray", ".zgroup", "zarr.json")
+        )
+        hint = (
+            f"; Zarr metadata sits below it, e.g. in {nested[0]!r}: open {url}/{nested[0]}"
+            if nested
+            else "; expected the root of a Zarr v2 or v3 array or group"
+        )
+        raise DatasetError(f"{url} has no .zarray, .zgroup or zarr.json at its root{hint}")
+    kind, meta = root
+    if kind == "array":
+        if arrays is not None:
+            raise DatasetError(
+                f"{url} is a single Zarr array, not a group; drop arrays={list(arrays)!r}"
+            )
+        found = {"": _parse_array(url, "", meta)}
+    else:
+        names = [arrays] if isinstance(arrays, str) else arrays
+        if names is None:
+            names = _child_nodes(existing)
+        found = {}
+        for name in dict.fromkeys(n.strip("/") for n in names):
+            node = _read_node(store, existing, name)
+            if node is not None and node[0] == "array":
+                found[name] = _parse_array(url, name, node[1])
+            elif arrays is not None:
+                raise DatasetError(
+                    f"{url} has no array {name!r}; nodes directly in the group: "
+                    f"{', '.join(_child_nodes(existing)) or 'none'}"
+                )
+        if not found:
+            raise DatasetError(f"{url} is a Zarr group without arrays; expected at least one")
+    for name, a in found.items():
+        if len(a.shape) == 0 or a.shape[0] == 0:
+            raise DatasetError(
+                f"Zarr array {name or url!r} has shape {a.shape}: no rows to sample; "
+                "expected at least one row along axis 0"
+            )
+    lengths = {name: a.shape[0] for name, a in found.items()}
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(f"{n!r} has {rows}" for n, rows in lengths.items())
+        raise DatasetError(
+            f"the arrays of {url} must share their first axis (one row per sample): {listed} "
+            "rows; pick arrays that line up with arrays=[...]"
+        )
+    return kind == "group", found
+
+
+def _child_nodes(existing: frozenset[str]) -> list[str]:
+    """Names of the arrays (and v3 groups) directly in the root group."""
+    return sorted(
+        k.rsplit("/", 1)[0]
+        for k in existing
+        if k.count("/") == 1 and k.endswith(("/.zarray", "/zarr.json"))
+    )
+
+
+def _read_node(
+    store: CachedStore, existing: frozenset[str], path: str
+) -> tuple[str, dict[str, Any]] | None:
+    """("array" or "group", metadata) of the node at path, or None where there is none."""
+    prefix = f"{path}/" if path else ""
+    if prefix + "zarr.json" in existing:
+        meta = _read_json(store, prefix + "zarr.json")
+        kind = meta.get("node_type")
+        if meta.get("zarr_format") != 3 or kind not in ("array", "group"):
+            raise DatasetError(
+                f"{store.url}/{prefix}zarr.json is not Zarr v3 metadata (zarr_format "
+                f"{meta.get('zarr_format')!r}, node_type {kind!r}); expected zarr_format 3 and "
+                "node_type 'array' or 'group'"
+            )
+        return kind, {**meta, "_prefix": prefix}
+    if prefix + ".zarray" in existing:
+        return "array", {**_read_json(store, prefix + ".zarray"), "_prefix": prefix}
+    if prefix + ".zgroup" in existing:
+        return "group", {}
+    return None
+
+
+def _read_json(store: CachedStore, key: str) -> dict[str, Any]:
+    try:
+        meta = json.loads(store.read(key))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"{store.url}/{key} is not valid JSON ({e}); rewrite it") from e
+    if not isinstance(meta, dict):
+        raise DatasetError(f"{store.url}/{key} holds {type(meta).__name__}, expected an object")
+    return meta
+
+
+def _parse_array(url: str, name: str, meta: dict[str, Any]) -> ZarrArray:
+    where = f"{url}/{meta['_prefix']}{'zarr.json' if meta.get('zarr_format') == 3 else '.zarray'}"
+    try:
+        if meta.get("zarr_format") == 3:
+            return _parse_v3(where, name, meta)
+        return _parse_v2(where, name, meta)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, DatasetError):
+            raise
+        raise DatasetError(f"{where} is malformed ({type(e).__name__}: {e}); rewrite it") from e
+
+
+def _shape(where: str, shape: Any, chunks: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape, chunks = tuple(int(s) for s in shape), tuple(int(c) for c in chunks)
+    if len(shape) != len(chunks) or any(s < 0 for s in shape) or any(c <= 0 for c in chunks):
+        raise DatasetError(
+            f"{where}: shape {shape} and chunks {chunks} do not fit; expected one chunk length "
+            "> 0 per axis"
+        )
+    return shape, chunks
+
+
+def _native(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
+def _parse_v2(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
+    if meta.get("zarr_format") != 2:
+        raise DatasetError(f"{where}: zarr_format {meta.get('zarr_format')!r}, expected 2")
+    if not isinstance(meta["dtype"], str):
+        raise DatasetError(f"{where}: structured dtype {meta['dtype']} is not supported yet")
+    stored = np.dtype(meta["dtype"])
+    if stored.hasobject:
+        raise DatasetError(
+            f"{where}: dtype {meta['dtype']!r} holds Python objects (variable-length strings); "
+            "only fixed-size dtypes are supported"
+        )
+    shape, chunks = _shape(where, meta["shape"], meta["chunks"])
+    order = meta.get("order", "C")
+    if order not in ("C", "F"):
+        raise DatasetError(f"{where}: order {order!r}, expected 'C' or 'F'")
+    codecs = []
+    if meta.get("compressor") is not None:
+        codecs.append(meta["compressor"])
+    codecs += reversed(meta.get("filters") or [])  # filters were applied before compressing
+    separator = meta.get("dimension_separator") or "."
+    dtype = _native(stored)
+    return ZarrArray(
+        name=name,
+        zarr_format=2,
+        shape=shape,
+        chunks=chunks,
+        dtype=dtype,
+        stored_dtype=stored,
+        fill_value=_fill_v2(where, meta.get("fill_value"), dtype),
+        codecs=_checked_codecs(where, codecs),
+        order=order,
+        key_prefix=meta["_prefix"],
+        separator=separator,
+    )
+
+
+def _parse_v3(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
+    data_type = meta["data_type"]
+    if not isinstance(data_type, str) or data_type not in _V3_DTYPES:
+        raise DatasetError(
+            f"{where}: data_type {data_type!r} is not supported; expected one of "
+            f"{', '.join(_V3_DTYPES)}"
+        )
+    grid = meta["chunk_grid"]
+    if grid.get("name") != "regular":
+        raise DatasetError(f"{where}: chunk_grid {grid.get('name')!r}, expected 'regular'")
+    shape, chunks = _shape(where, meta["shape"], grid["configuration"]["chunk_shape"])
+    if meta.get("storage_transformers"):
+        raise DatasetError(f"{where}: storage transformers are not supported")
+    encoding = meta.get("chunk_key_encoding", {"name": "default"})
+    separator = (encoding.get("configuration") or {}).get(
+        "separator", "/" if encoding["name"] == "default" else "."
+    )
+    if encoding["name"] == "default":
+        key_prefix = meta["_prefix"] + "c" + separator
+    elif encoding["name"] == "v2":
+        key_prefix = meta["_prefix"]
+    else:
+        raise DatasetError(
+            f"{where}: chunk_key_encoding {encoding['name']!r}, expected 'default' or 'v2'"
+        )
+    permutation: tuple[int, ...] | None = None
+    endian: str | None = None
+    after_bytes: list[dict[str, Any]] = []
+    for codec in meta["codecs"]:
+        codec_name, config = codec["name"], codec.get("configuration") or {}
+        if codec_name == "sharding_indexed":
+            raise DatasetError(
+                f"{where}: sharded Zarr v3 arrays (codec sharding_indexed) are not supported "
+                "yet; rewrite the array without shards (zarr.create_array(..., shards=None))"
+            )
+        if endian is None and codec_name == "transpose":
+            order = config["order"]
+            step = (
+                tuple(range(len(shape)))
+                if order == "C"
+                else tuple(reversed(range(len(shape))))
+                if order == "F"
+                else tuple(int(i) for i in order)
+            )
+            if sorted(step) != list(range(len(shape))):
+                raise DatasetError(f"{where}: transpose order {order!r} is not a permutation")
+            permutation = step if permutation is None else tuple(permutation[i] for i in step)
+        elif endian is None and codec_name == "bytes":
+            endian = config.get("endian", "little")
+        elif endian is not None and codec_name in _V3_BYTES_CODECS:
+            after_bytes.append({"id": _V3_BYTES_CODECS[codec_name]})
+        elif endian is not None and codec_name.startswith("numcodecs."):
+            after_bytes.append({**config, "id": codec_name.removeprefix("numcodecs.")})
+        else:
+            raise DatasetError(
+                f"{where}: codec {codec_name!r} is not supported here; fastload reads "
+                "[transpose], bytes, then blosc/gzip/zstd/crc32c/numcodecs.* compressors"
+            )
+    if endian is None:
+        raise DatasetError(f"{where}: no 'bytes' codec; expected one to turn chunks into bytes")
+    if endian not in ("little", "big"):
+        raise DatasetError(f"{where}: bytes endian {endian!r}, expected 'little' or 'big'")
+    stored = np.dtype(("<" if endian == "little" else ">") + _V3_DTYPES[data_type])
+    dtype = _native(stored)
+    return ZarrArray(
+        name=name,
+        zarr_format=3,
+        shape=shape,
+        chunks=chunks,
+        dtype=dtype,
+        stored_dtype=stored,
+        fill_value=_fill_v3(where, meta.get("fill_value"), dtype),
+        codecs=_checked_codecs(where, list(reversed(after_bytes))),
+        permutation=permutation,
+        key_prefix=key_prefix,
+        separator=separator,
+    )
+
+
+def _checked_codecs(where: str, configs: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Codec configs as JSON, each made once now so an unknown one fails at open."""
+    out = tuple(json.dumps(c, sort_keys=True) for c in configs)
+    for c in out:
+        try:
+            _codec(c)
+        except ImportError:
+            raise
+        except Exception as e:
+            raise DatasetError(
+                f"{where}: numcodecs cannot make codec {json.loads(c)} ({e}); upgrade "
+                "numcodecs or register the codec"
+            ) from e
+    return out
+
+
+_FLOAT_WORDS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _float(value: Any, itemsize: int) -> Any:
+    if isinstance(value, str) and value.startswith("0x"):  # v3: the float's bits in hex
+        return np.array(int(value, 16), dtype=f"u{itemsize}").view(f"f{itemsize}")[()]
+    if isinstance(value, str):
+        return _FLOAT_WORDS[value]
+    return float(value)
+
+
+def _scalar(value: Any, dtype: np.dtype[Any]) -> Array:
+    if dtype.kind == "f":
+        value = _float(value, dtype.itemsize)
+    elif dtype.kind == "c":
+        re, im = value if isinstance(value, list) else (value, 0)
+        value = complex(_float(re, dtype.itemsize // 2), _float(im, dtype.itemsize // 2))
+    return np.array(value, dtype=dtype)
+
+
+def _fill_v2(where: str, value: Any, dtype: np.dtype[Any]) -> Array:
+    try:
+        if value is None:
+            return np.zeros((), dtype=dtype)  # undefined in v2; zarr-python reads zeros too
+        if dtype.kind in "SV":
+            return np.frombuffer(base64.b64decode(value), dtype=dtype).reshape(())
+        if dtype.kind in "mM":
+            return np.array(int(value), dtype="i8").view(dtype)
+        return _scalar(value, dtype)
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise DatasetError(f"{where}: fill_value {value!r} does not fit dtype {dtype}") from e
+
+
+def _fill_v3(where: str, value: Any, dtype: np.dtype[Any]) -> Array:
+    try:
+        return _scalar(value, dtype)
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise DatasetError(f"{where}: fill_value {value!r} does not fit {dtype}") from e
+
+
+__all__ = ["DEFAULT_CHUNK_CACHE_BYTES", "DecodedChunkCache", "ZarrArray", "ZarrDataset"]

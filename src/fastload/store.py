@@ -1,0 +1,175 @@
+"""A dataset's objects read through the local cache: fetched on demand, staged ahead on request.
+
+Datasets (``fastload.datasets``) read every byte through a :class:`CachedStore`. It lists
+the dataset once (the manifest), and on each read serves the cached file, or fetches the
+object into the cache first, or, when the cache's policy turns the object away (a full
+``pin`` cache), reads it straight from the remote. It pickles to its settings only, so a
+DataLoader worker re-opens its own cache handle and filesystem after fork or spawn.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import fsspec.asyn
+
+from fastload.cache import Cache, Policy
+from fastload.errors import RemoteNotFoundError
+from fastload.manifest import Manifest, RemoteObject, load_manifest
+from fastload.remote import open_filesystem, public_url, with_retries
+from fastload.stage import FetchConfig, Stager, StageResult
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    url: str
+    cache_dir: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    max_bytes: int | None = None
+    policy: Policy = "lru"
+    refresh: bool = False
+    ttl_s: float | None = None
+    fetch: FetchConfig = field(default_factory=FetchConfig)
+
+
+class CachedStore:
+    """Reads a dataset's objects by key through the local cache (see the module docstring)."""
+
+    def __init__(self, config: StoreConfig, manifest: Manifest | None = None) -> None:
+        self.config = config
+        self._cache: Cache | None = None
+        self._stager: Stager | None = None
+        self._pid = -1
+        self._manifest = manifest
+        self._by_key: dict[str, RemoteObject] | None = None
+
+    @classmethod
+    def open(cls, url: str, **settings: Any) -> CachedStore:
+        return cls(StoreConfig(url=url, **settings))
+
+    # --- lazily opened per process ---------------------------------------------------------
+
+    @property
+    def cache(self) -> Cache:
+        self._open()
+        assert self._cache is not None
+        return self._cache
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            c = self.config
+            self._manifest = load_manifest(
+                c.url, self.cache.dir, c.storage_options, refresh=c.refresh, ttl_s=c.ttl_s
+            )
+        return self._manifest
+
+    def _open(self) -> None:
+        if self._pid == os.getpid():
+            return
+        c = self.config
+        self._cache = Cache(c.cache_dir, max_bytes=c.max_bytes, policy=c.policy)
+        self._stager = None
+        self._pid = os.getpid()
+
+    @property
+    def stager(self) -> Stager:
+        self._open()
+        if self._stager is None:
+            fs, root = open_filesystem(self.config.url, self.config.storage_options)
+            self._stager = Stager(
+                cache=self.cache, manifest=self.manifest, fs=fs, root=root, config=self.config.fetch
+            )
+        return self._stager
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "manifest": self._manifest}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"], state["manifest"])  # type: ignore[misc]
+
+    # --- objects ---------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self.manifest.url
+
+    def object(self, key: str) -> RemoteObject:
+        if self._by_key is None:
+            self._by_key = {o.key: o for o in self.manifest.objects}
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise RemoteNotFoundError(
+                2,
+                f"{key!r} is not in the listing of {public_url(self.config.url)}; if the dataset "
+                "changed, open it again with refresh=True",
+            ) from None
+
+    def object_url(self, key: str) -> str:
+        return self.manifest.object_url(self.object(key))
+
+    def object_keys(self) -> list[str]:
+        return [o.key for o in self.manifest.objects]
+
+    def stage(self, keys: Sequence[str]) -> list[StageResult]:
+        """Fetches keys into the cache now, concurrently, in this order of priority."""
+        return self.stager.stage([self.object(k) for k in keys])
+
+    def local_path(self, key: str) -> Path | None:
+        """The cached file of key if it is cached (and current), without fetching."""
+        obj = self.object(key)
+        return self.cache.lookup(self.manifest.object_url(obj), version=obj.version, size=obj.size)
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes [offset, offset + length) of key (to its end if length is None)."""
+        obj = self.object(key)
+        url = self.manifest.object_url(obj)
+        for _ in range(3):  # a cached copy can be evicted between staging and reading
+            with self.cache.use(url) as path:
+                if path is not None and self._current(url, obj):
+                    return _pread(path, offset, length)
+            (result,) = self.stager.stage([obj])
+            if result.outcome == "failed":
+                raise self.stager.failure(obj, result)
+            if result.outcome == "skipped":
+                break  # the cache turned it away: read it from the remote
+        return self._read_remote(obj, offset, length)
+
+    def read_many(self, requests: Iterable[tuple[str, int, int | None]]) -> list[bytes]:
+        return [self.read(k, o, n) for k, o, n in requests]
+
+    def _current(self, url: str, obj: RemoteObject) -> bool:
+        entry = self.cache.entry(url)
+        return entry is not None and entry.version == obj.version
+
+    def _read_remote(self, obj: RemoteObject, offset: int, length: int | None) -> bytes:
+        stager = self.stager
+        path = stager.remote_path(obj)
+        end = None if length is None else offset + length
+        fs: fsspec.AbstractFileSystem = stager.fs
+        data: bytes = with_retries(
+            lambda: fs.cat_file(path, start=offset or None, end=end),
+            self.manifest.object_url(obj),
+        )
+        return data
+
+    def close(self) -> None:
+        if self._cache is not None and self._pid == os.getpid():
+            self._cache.close()
+        self._cache = None
+        self._stager = None
+        self._pid = -1
+
+
+def _pread(path: Path, offset: int, length: int | None) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        if length is None:
+            f.seek(offset)
+            return f.read()
+        return os.pread(f.fileno(), length, offset)
