@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from fastload.datasets import open_dataset
 from fastload.errors import (
     FastloadError,
     InvalidDestinationError,
@@ -21,6 +22,7 @@ from fastload.reader import (
     native_available,
     native_status,
 )
+from fastload.warm import warm
 
 try:
     __version__ = version("fastload")
@@ -39,4 +41,6 @@ __all__ = [
     "aligned_empty",
     "native_available",
     "native_status",
+    "open_dataset",
+    "warm",
 ]
