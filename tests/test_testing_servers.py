@@ -11,6 +11,7 @@ import http.client
 import os
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -469,3 +470,18 @@ def test_s3_state_is_wiped_when_the_last_server_closes(make_s3fs: MakeS3fs) -> N
     with S3Server() as third:
         assert not make_s3fs(third).exists(f"{BUCKET}/k")
     assert os.environ["AWS_DEFAULT_REGION"] == "us-east-1"
+
+
+def test_server_in_its_own_process_serves_counts_and_stops(tmp_path: Path) -> None:
+    from fastload.testing import HTTPServerProcess
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.bin").write_bytes(b"0123456789")
+    with HTTPServerProcess(tmp_path, latency_s=0.001) as server:
+        with urllib.request.urlopen(server.url_for("d/x.bin"), timeout=10) as response:
+            assert response.read() == b"0123456789"
+        assert server.stats().count(path="/d/x.bin", method="GET") == 1
+        server.reset_stats()
+        assert server.stats().total == 0
+        proc = server._proc
+    assert proc.poll() is not None  # the child is gone after close

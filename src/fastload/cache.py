@@ -24,7 +24,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import itertools
 import os
 import sqlite3
 import threading
@@ -32,7 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeAlias
+from typing import ClassVar, Literal, TypeAlias
 
 import xxhash
 
@@ -52,7 +51,13 @@ CREATE TABLE IF NOT EXISTS objects (
     created REAL NOT NULL,
     last_use REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS objects_by_last_use ON objects (last_use);
+-- The published bytes, kept by the same transactions that add and remove objects, so the
+-- budget check costs one row read rather than a sum over the whole index.
+CREATE TABLE IF NOT EXISTS totals (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO totals SELECT 'bytes', COALESCE(SUM(size), 0) FROM objects;
 """
+_RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
 
 
 def default_cache_dir() -> Path:
@@ -105,6 +110,18 @@ class FetchLocks:
     stays open for the life of the process: closing any descriptor of it would drop every
     record lock the process holds (the POSIX rule).
     """
+
+    _by_path: ClassVar[dict[str, FetchLocks]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def for_path(cls, path: Path) -> FetchLocks:
+        """One table per lock file per process: two tables would both "own" every lock."""
+        key = os.path.realpath(path)
+        with cls._registry_lock:
+            if key not in cls._by_path:
+                cls._by_path[key] = cls(path)
+            return cls._by_path[key]
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -207,7 +224,7 @@ class PartFile:
         self.url = url
         self.size = 0
         self._hash = xxhash.xxh3_64()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -250,6 +267,15 @@ def _disk_error(exc: OSError, path: Path) -> CacheError:
     return CacheError(exc.errno or errno.EIO, f"cannot write {path}: {exc.strerror}", str(path))
 
 
+@dataclass(slots=True)
+class _Publication:
+    part: PartFile
+    version: str | None
+    path: Path | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
 class Cache:
     """fastload's local cache. Thread-safe; one instance per process (re-opens after fork)."""
 
@@ -275,30 +301,47 @@ class Cache:
         if not (self.dir / "objects" / "ff").is_dir():  # once: creating files is slow on some disks
             for i in range(256):
                 (self.dir / "objects" / f"{i:02x}").mkdir(exist_ok=True)
-        self.fetch_locks = FetchLocks(self.dir / "fetch.lock")
-        self._lock = threading.RLock()
+        self.fetch_locks = FetchLocks.for_path(self.dir / "fetch.lock")
+        self._lock = threading.RLock()  # serializes this process's writes
         self._db: sqlite3.Connection | None = None
         self._db_pid = -1
-        self._counter = itertools.count()
+        self._readers = threading.local()  # WAL: each thread reads without waiting for writes
+        self._reader_dbs: list[tuple[int, sqlite3.Connection]] = []
+        self._recent: dict[str, float] = {}  # uses not yet written to the index
+        self._pending: list[_Publication] = []  # parts waiting for the next group commit
+        self._pending_lock = threading.Lock()
         self.plan: PlanHint | None = None
+        self._conn()  # create the schema before any reader looks
         self._sweep_tmp()
 
     # --- index -------------------------------------------------------------------------------
 
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(
+            self.dir / "index.sqlite", timeout=60.0, isolation_level=None, check_same_thread=False
+        )
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA busy_timeout=60000")
+        return db
+
     def _conn(self) -> sqlite3.Connection:
+        """The writing connection of this process (used under self._lock)."""
         if self._db is None or self._db_pid != os.getpid():
-            db = sqlite3.connect(
-                self.dir / "index.sqlite",
-                timeout=60.0,
-                isolation_level=None,
-                check_same_thread=False,
-            )
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA busy_timeout=60000")
+            db = self._connect()
             db.executescript(_SCHEMA)
             self._db, self._db_pid = db, os.getpid()
         return self._db
+
+    def _reader(self) -> sqlite3.Connection:
+        """This thread's reading connection: lookups never queue behind a publish."""
+        readers = self._readers
+        if getattr(readers, "pid", None) != os.getpid():
+            readers.db, readers.pid = self._connect(), os.getpid()
+            with self._lock:
+                self._reader_dbs.append((os.getpid(), readers.db))
+        db: sqlite3.Connection = readers.db
+        return db
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -321,31 +364,48 @@ class Cache:
                 ) from exc
 
     def entry(self, url: str) -> Entry | None:
-        with self._lock:
-            row = (
-                self._conn()
-                .execute("SELECT * FROM objects WHERE id = ?", (object_id(url),))
-                .fetchone()
-            )
+        return self.entry_by_id(object_id(url))
+
+    def entry_by_id(self, oid: str) -> Entry | None:
+        row = self._reader().execute("SELECT * FROM objects WHERE id = ?", (oid,)).fetchone()
         return Entry(*row) if row else None
 
     def entries(self) -> list[Entry]:
-        with self._lock:
-            rows = self._conn().execute("SELECT * FROM objects ORDER BY url").fetchall()
+        rows = self._reader().execute("SELECT * FROM objects ORDER BY url").fetchall()
         return [Entry(*r) for r in rows]
 
     def used_bytes(self) -> int:
-        with self._lock:
-            (total,) = self._conn().execute("SELECT COALESCE(SUM(size), 0) FROM objects").fetchone()
+        (total,) = (
+            self._reader().execute("SELECT value FROM totals WHERE name = 'bytes'").fetchone()
+        )
         return int(total)
 
     def touch(self, urls: Sequence[str]) -> None:
-        """Records a use of each url (what ``lru`` orders by)."""
+        """Records a use of each url now (what ``lru`` orders by)."""
         now = time.time()
-        with self._transaction() as db:
-            db.executemany(
-                "UPDATE objects SET last_use = ? WHERE id = ?", [(now, object_id(u)) for u in urls]
-            )
+        with self._lock:
+            self._recent.update((object_id(u), now) for u in urls)
+        self._flush_recent()
+
+    def _note_use(self, oid: str) -> None:
+        """A use, buffered: writing the index on every read would cost more than the read."""
+        if self.plan is not None:
+            self.plan.advance(oid)
+        with self._lock:
+            self._recent[oid] = time.time()
+            full = len(self._recent) >= _RECENCY_FLUSH
+        if full:
+            self._flush_recent()
+
+    def _flush_recent(self) -> None:
+        with self._lock:
+            recent, self._recent = self._recent, {}
+            if recent:
+                with self._transaction() as db:
+                    db.executemany(
+                        "UPDATE objects SET last_use = ? WHERE id = ?",
+                        [(t, oid) for oid, t in recent.items()],
+                    )
 
     # --- paths -------------------------------------------------------------------------------
 
@@ -353,23 +413,16 @@ class Cache:
         oid = object_id(url)
         return self.dir / "objects" / oid[:2] / oid
 
-    def _remove_parts(self, oid: str | None) -> None:
-        """Removes parts left by dead fetchers: those whose fetch lock is free (or ours)."""
-        for part in os.scandir(self.dir / "tmp"):
-            part_oid = part.name.split(".", 1)[0]
-            if oid is not None and part_oid != oid:
-                continue
-            if oid is None and not self.fetch_locks.try_acquire(part_oid):
-                continue  # someone is writing it
-            try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(part.path)
-            finally:
-                if oid is None:
-                    self.fetch_locks.release(part_oid)
-
     def _sweep_tmp(self) -> None:
-        self._remove_parts(None)
+        """Removes parts left by dead fetchers: those whose fetch lock is free."""
+        for part in os.scandir(self.dir / "tmp"):
+            oid = part.name.split(".", 1)[0]
+            if self.fetch_locks.try_acquire(oid):  # else someone is writing it now
+                try:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(part.path)
+                finally:
+                    self.fetch_locks.release(oid)
 
     # --- lookup and use ----------------------------------------------------------------------
 
@@ -423,8 +476,7 @@ class Cache:
             except FileNotFoundError:
                 current = -1
             if os.fstat(fd).st_ino == current:
-                if self.plan is not None:
-                    self.plan.advance(object_id(url))
+                self._note_use(object_id(url))
                 return fd
             os.close(fd)  # replaced meanwhile: hold the current one instead
         return None
@@ -434,12 +486,12 @@ class Cache:
     def try_fetch_lock(self, url: str) -> FetchLock | None:
         """The fetch lock of url if it is free now, else None (someone else is fetching it).
 
-        Whoever held it before and died left its part behind: removed now.
+        The part is named by the object alone: the lock makes its holder the only writer, and
+        a part left by a holder that died is simply overwritten.
         """
         oid = object_id(url)
         if not self.fetch_locks.try_acquire(oid):
             return None
-        self._remove_parts(oid)
         return FetchLock(self.fetch_locks, oid)
 
     def fetch_lock(self, url: str) -> FetchLock:
@@ -461,11 +513,12 @@ class Cache:
         )
 
     def new_part(self, url: str) -> PartFile:
-        name = f"{object_id(url)}.{os.getpid()}.{next(self._counter)}"
+        """Where url's bytes are written before publication; hold its fetch lock."""
+        path = self.dir / "tmp" / object_id(url)
         try:
-            return PartFile(self.dir / "tmp" / name, url)
+            return PartFile(path, url)
         except OSError as exc:
-            raise _disk_error(exc, self.dir / "tmp" / name) from exc
+            raise _disk_error(exc, path) from exc
 
     def would_admit(self, url: str, size: int) -> bool:
         """Whether publishing size bytes of url could succeed now (a cheap pre-check)."""
@@ -483,71 +536,130 @@ class Cache:
 
         Returns the published path, or None when the policy turns the object away (the cache
         is full under ``pin``, or under ``plan`` everything cached is needed sooner); the
-        part is then removed.
+        part is then removed. Threads publishing at once share one index transaction (group
+        commit): whoever gets the lock publishes everything queued so far.
         """
         part.close(fsync=self.config.fsync)
-        url = part.url
-        oid = object_id(url)
-        final = self.path_for(url)
+        item = _Publication(part, version)
+        with self._pending_lock:
+            self._pending.append(item)
+        with self._lock:
+            if not item.done:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                self._publish_batch(batch)
+        if item.error is not None:
+            raise item.error
+        return item.path
+
+    def _publish_batch(self, batch: list[_Publication]) -> None:
         try:
             with self._transaction() as db:
-                if not self._make_room(db, oid, part.size):
-                    part.discard()
-                    return None
-                os.replace(part.path, final)
-                now = time.time()
-                db.execute(
-                    "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (oid, printable(url), part.size, part.checksum, version, now, now),
-                )
-        except BaseException:
-            part.discard()
-            raise
-        return final
+                for item in batch:
+                    part = item.part
+                    oid = object_id(part.url)
+                    try:
+                        if self._make_room(db, oid, part.size):
+                            final = self.path_for(part.url)
+                            os.replace(part.path, final)
+                            self._index_add(
+                                db, oid, part.url, part.size, part.checksum, item.version
+                            )
+                            item.path = final
+                        else:
+                            part.discard()
+                    except OSError as exc:
+                        part.discard()
+                        item.error = _disk_error(exc, part.path)
+        except BaseException as exc:
+            for item in batch:
+                if item.path is None and item.error is None:
+                    item.part.discard()
+                    item.error = exc
+                elif item.path is not None:  # renamed, but the index never recorded it
+                    item.path, item.error = None, exc
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            for item in batch:
+                item.done = True
+
+    @staticmethod
+    def _size_of(db: sqlite3.Connection, oid: str) -> int:
+        row = db.execute("SELECT size FROM objects WHERE id = ?", (oid,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def _index_add(
+        self,
+        db: sqlite3.Connection,
+        oid: str,
+        url: str,
+        size: int,
+        checksum: str,
+        version: str | None,
+    ) -> None:
+        old = self._size_of(db, oid)
+        now = time.time()
+        db.execute(
+            "INSERT OR REPLACE INTO objects VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (oid, printable(url), size, checksum, version, now, now),
+        )
+        db.execute("UPDATE totals SET value = value + ? WHERE name = 'bytes'", (size - old,))
+
+    def _index_remove(self, db: sqlite3.Connection, oid: str) -> None:
+        old = self._size_of(db, oid)
+        db.execute("DELETE FROM objects WHERE id = ?", (oid,))
+        db.execute("UPDATE totals SET value = value - ? WHERE name = 'bytes'", (old,))
 
     def _make_room(self, db: sqlite3.Connection, oid: str, size: int) -> bool:
         max_bytes = self.config.max_bytes
         if max_bytes is None:
             return True
-        (used,) = db.execute(
-            "SELECT COALESCE(SUM(size), 0) FROM objects WHERE id != ?", (oid,)
-        ).fetchone()
-        need = used + size - max_bytes
+        (total,) = db.execute("SELECT value FROM totals WHERE name = 'bytes'").fetchone()
+        need = total - self._size_of(db, oid) + size - max_bytes
         if need <= 0:
             return True
         if size > max_bytes or self.config.policy == "pin":
             return False
-        rows = db.execute("SELECT id, size, last_use FROM objects WHERE id != ?", (oid,)).fetchall()
-        if self.config.policy == "lru":
-            victims = sorted(rows, key=lambda r: r[2])
-        else:  # plan: furthest next use first; never admit what is needed later than all of them
-            plan = self.plan
-            if plan is None:
-                victims = sorted(rows, key=lambda r: r[2])
-            else:
-                ranked = sorted(rows, key=lambda r: plan.next_use(r[0]), reverse=True)
-                mine = plan.next_use(oid)
-                victims = [r for r in ranked if plan.next_use(r[0]) > mine]
-        chosen: list[tuple[str, int, int]] = []
+        victims: Iterator[tuple[str, int]]
+        plan = self.plan
+        if self.config.policy == "plan" and plan is not None:
+            # Furthest next use first; never admit what is needed later than all of them.
+            rows = db.execute("SELECT id, size FROM objects WHERE id != ?", (oid,)).fetchall()
+            mine = plan.next_use(oid)
+            ranked = sorted(((plan.next_use(r[0]), r) for r in rows), reverse=True)
+            victims = (r for when, r in ranked if when > mine)
+        else:  # lru, and plan without a plan: least recently used first
+            with self._lock:
+                recent, self._recent = self._recent, {}
+            db.executemany(
+                "UPDATE objects SET last_use = ? WHERE id = ?", [(t, o) for o, t in recent.items()]
+            )
+            victims = (
+                db.execute("SELECT id, size FROM objects WHERE id != ? ORDER BY last_use", (oid,))
+                .fetchall()
+                .__iter__()
+            )
+        chosen: list[tuple[str, int]] = []
         freed = 0
-        for victim_id, victim_size, _ in victims:
-            if freed >= need:
-                break
-            fd = self._lock_unused(victim_id)
-            if fd is None:
-                continue  # in use: never evicted
-            chosen.append((victim_id, victim_size, fd))
-            freed += victim_size
         try:
+            for victim_id, victim_size in victims:
+                if freed >= need:
+                    break
+                fd = self._lock_unused(victim_id)
+                if fd is None:
+                    continue  # in use: never evicted
+                chosen.append((victim_id, fd))
+                freed += victim_size
             if freed < need:
                 return False
-            for victim_id, _, _ in chosen:
+            for victim_id, _ in chosen:
                 with contextlib.suppress(FileNotFoundError):
                     (self.dir / "objects" / victim_id[:2] / victim_id).unlink()
-                db.execute("DELETE FROM objects WHERE id = ?", (victim_id,))
+                self._index_remove(db, victim_id)
             return True
         finally:
-            for _, _, fd in chosen:
+            for _, fd in chosen:
                 os.close(fd)
 
     def _lock_unused(self, oid: str) -> int | None:
@@ -578,7 +690,7 @@ class Cache:
             try:
                 with contextlib.suppress(FileNotFoundError):
                     (self.dir / "objects" / oid[:2] / oid).unlink()
-                db.execute("DELETE FROM objects WHERE id = ?", (oid,))
+                self._index_remove(db, oid)
             finally:
                 os.close(fd)
         return True
@@ -619,11 +731,6 @@ class Cache:
                         self.fetch_locks.release(path.name)
         return problems
 
-    def entry_by_id(self, oid: str) -> Entry | None:
-        with self._lock:
-            row = self._conn().execute("SELECT * FROM objects WHERE id = ?", (oid,)).fetchone()
-        return Entry(*row) if row else None
-
     def read_verified(self, url: str) -> bytes:
         """The bytes of a cached object after checking them against the index."""
         entry = self.entry(url)
@@ -652,10 +759,18 @@ class Cache:
         return self.evict(to_bytes=0)
 
     def close(self) -> None:
+        """Writes buffered uses to the index and closes this process's connections."""
+        if self._db_pid == os.getpid():
+            self._flush_recent()
         with self._lock:
             if self._db is not None and self._db_pid == os.getpid():
                 self._db.close()
             self._db = None
+            for pid, db in self._reader_dbs:
+                if pid == os.getpid():  # a parent's connections are not ours to close
+                    db.close()
+            self._reader_dbs = []
+            self._readers = threading.local()
 
     def __enter__(self) -> Cache:
         return self

@@ -12,10 +12,13 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fastload
 from fastload.errors import FastloadError, NotYetAvailableError
+
+if TYPE_CHECKING:
+    from fastload.bench.runner import Report
 
 # Commands of DESIGN.md whose implementation is tracked by an open issue.
 _PENDING = {
@@ -141,14 +144,29 @@ def _bench(args: argparse.Namespace) -> int:
             "'fastload bench URL' (a user's own dataset) is not available yet (issue #7); "
             "run 'fastload bench' without a URL for the built-in benchmark"
         )
-    from fastload.bench import read_bench
+    from fastload.bench import policy_bench, read_bench, stage_bench
 
-    config = read_bench.ReadBenchConfig.quick() if args.quick else read_bench.ReadBenchConfig()
-    out = Path(args.out)
-    print(f"fastload {fastload.__version__} bench: reading cached bytes (data in {out / 'data'})")
-    report = read_bench.run(out / "data", config)
-    print(report.table())
-    print(f"\nwrote {report.write_json(out)}")
+    quick, out = args.quick, Path(args.out)
+    data = out / "data"
+    read = read_bench.ReadBenchConfig.quick() if quick else read_bench.ReadBenchConfig()
+    stage = stage_bench.StageBenchConfig.quick() if quick else stage_bench.StageBenchConfig()
+    policy = policy_bench.PolicyBenchConfig.quick() if quick else policy_bench.PolicyBenchConfig()
+    benchmarks: list[tuple[str, Path, Callable[[Path], Report]]] = [
+        ("reading cached bytes", data, lambda d: read_bench.run(d, read)),
+        ("staging from a remote over HTTP", data / "stage", lambda d: stage_bench.run(d, stage)),
+        (
+            "cache policies on a shuffled dataset twice the budget",
+            data / "policy",
+            lambda d: policy_bench.run(d, policy),
+        ),
+    ]
+    for title, where, run in benchmarks:
+        print(f"fastload {fastload.__version__} bench: {title} (data in {where})", flush=True)
+        report = run(where)
+        print(report.table())
+        if report.name == "stage":
+            print("\n".join(stage_bench.fastload_vs_peers(report)))
+        print(f"wrote {report.write_json(out)}\n", flush=True)
     return 0
 
 

@@ -31,6 +31,9 @@ class Measurement:
     ratio: float | None = None  # throughput relative to the case's reference system
     reference: str | None = None
     note: str = ""
+    # Figures a benchmark adds beyond time and throughput (a hit rate, requests per object);
+    # the table prints one column per name.
+    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def items_per_s(self) -> float:
@@ -79,12 +82,21 @@ def measure(
 
 
 def relate(rows: Sequence[Measurement], reference: str) -> list[Measurement]:
-    """Each row's throughput as a ratio to the ``reference`` system's in the same case."""
-    ref = {r.case: r.seconds for r in rows if r.system == reference}
+    """Each row's throughput as a ratio to the ``reference`` system's in the same case.
+
+    Throughput is items per second where both rows count items (a system may be measured on
+    a subset), else the inverse of the time.
+    """
+    ref = {r.case: r for r in rows if r.system == reference}
     out = []
     for r in rows:
         base = ref.get(r.case)
-        ratio = base / r.seconds if base is not None and r.seconds > 0 else None
+        ratio = None
+        if base is not None and r.seconds > 0:
+            if base.items > 0 and r.items > 0 and base.seconds > 0:
+                ratio = r.items_per_s / base.items_per_s
+            else:
+                ratio = base.seconds / r.seconds
         out.append(
             Measurement(**{**asdict(r), "ratio": ratio, "reference": reference if ratio else None})
         )
@@ -174,7 +186,8 @@ class Report:
         return path
 
     def table(self) -> str:
-        headers = ["case", "system", "median s", "GB/s", "items/s", "ratio", "note"]
+        extras = list(dict.fromkeys(name for r in self.rows for name in r.extra))
+        headers = ["case", "system", "median s", "GB/s", "items/s", "ratio", *extras, "note"]
         body = [
             [
                 r.case,
@@ -183,6 +196,7 @@ class Report:
                 f"{r.gb_per_s:.2f}" if r.nbytes else "",
                 f"{r.items_per_s:,.0f}" if r.items else "",
                 f"{r.ratio:.2f}x {r.reference}" if r.ratio is not None else "",
+                *(_figure(r.extra.get(name)) for name in extras),
                 r.note,
             ]
             for r in self.rows
@@ -192,3 +206,9 @@ class Report:
         lines.append("  ".join("-" * w for w in widths))
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
         return "\n".join(line.rstrip() for line in lines)
+
+
+def _figure(value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:.3f}"

@@ -17,11 +17,13 @@ from fastload.testing.faults import (
     RequestStats,
 )
 from fastload.testing.http_server import RangeHTTPServer
+from fastload.testing.process import HTTPServerProcess
 from fastload.testing.s3_server import S3Server
 
 __all__ = [
     "Fault",
     "FaultKind",
+    "HTTPServerProcess",
     "RangeHTTPServer",
     "RemoteBehavior",
     "RemoteControls",

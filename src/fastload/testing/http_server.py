@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import html
+import json
 import mimetypes
 import os
 import re
@@ -79,6 +80,10 @@ def _read_chunks(f: BinaryIO, start: int, length: int) -> Iterator[bytes]:
         yield chunk
 
 
+STATS_PATH = "/__fastload_testing__/stats"
+RESET_PATH = "/__fastload_testing__/reset-stats"
+
+
 class _Server(ConnectionTrackingMixin, ThreadingHTTPServer):
     controls: RangeHTTPServer
 
@@ -117,6 +122,21 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, *, send_body: bool) -> None:
         controls = self.server.controls
         path = self._url_path()
+        if path == RESET_PATH:
+            controls.reset_stats()
+            self._send_simple(HTTPStatus.OK, b"{}", {"Content-Type": "application/json"})
+            return
+        if path == STATS_PATH:  # for a server in another process; not counted, no knobs
+            stats = controls.stats()
+            body = json.dumps(
+                {
+                    "requests": [[m, p, n] for (m, p), n in stats.requests.items()],
+                    "bytes_sent": stats.bytes_sent,
+                    "faults_injected": stats.faults_injected,
+                }
+            ).encode()
+            self._send_simple(HTTPStatus.OK, body, {"Content-Type": "application/json"})
+            return
         behavior, fault = controls._on_request(self.command, path)
         if not controls._sleep(behavior.latency_s):
             self.close_connection = True  # server closing
@@ -329,3 +349,37 @@ class RangeHTTPServer(RemoteControls):
             f"<body><h1>{title}</h1>\n<ul>\n" + "\n".join(items) + "\n</ul></body></html>\n"
         )
         return page.encode("utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve a directory from its own process (so its work does not share the client's GIL).
+
+    Prints the base URL on one line, then serves until stdin closes or SIGTERM arrives.
+    """
+    import argparse
+    import signal
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m fastload.testing.http_server")
+    parser.add_argument("root")
+    parser.add_argument("--latency-s", type=float, default=0.0)
+    parser.add_argument("--bandwidth-bytes-per-s", type=float, default=None)
+    args = parser.parse_args(argv)
+    behavior = RemoteBehavior(
+        latency_s=args.latency_s, bandwidth_bytes_per_s=args.bandwidth_bytes_per_s
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with RangeHTTPServer(args.root, behavior=behavior) as server:
+        print(server.url, flush=True)
+
+        def stop_when_stdin_closes() -> None:
+            sys.stdin.read()
+            stop.set()
+
+        threading.Thread(target=stop_when_stdin_closes, daemon=True).start()
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()
