@@ -488,3 +488,78 @@ def test_random_faults_at_a_rate_still_give_every_byte_right(
     assert report.ok, report.failures
     assert served.server.stats().faults_injected >= 3
     assert_all_cached_and_right(tmp_path, served)
+
+
+# --- one node's share -------------------------------------------------------------------------
+
+
+def _sampler_keys(remote: Remote, cache_dir: Path, ranks, world_size: int, epochs) -> list[str]:
+    """The keys the training job's samplers read, in the order a node first needs them."""
+    from fastload import ShardedSampler, open_dataset
+
+    ds = open_dataset(
+        remote.url, format="files", cache_dir=str(cache_dir), storage_options=remote.storage_options
+    )
+    streams = {}
+    for rank in ranks:
+        sampler = ShardedSampler(ds, rank=rank, world_size=world_size, seed=7)
+        per_epoch = []
+        for epoch in epochs:
+            sampler.set_epoch(epoch)
+            per_epoch.append(list(sampler))
+        streams[rank] = per_epoch
+    order = []
+    for e in range(len(epochs)):
+        for step in range(len(streams[ranks[0]][e])):
+            order += [ds.keys[streams[r][e][step]] for r in ranks]
+    return list(dict.fromkeys(order))
+
+
+@pytest.mark.parametrize(("ranks", "world_size"), [((0,), 2), ((1, 2), 4), ((0,), 1)])
+def test_warming_a_node_share_stages_exactly_what_its_ranks_read(
+    served: Remote, tmp_path: Path, ranks, world_size
+) -> None:
+    from fastload.warm import NodeShare
+
+    expected = _sampler_keys(served, tmp_path / "probe", ranks, world_size, (0, 1))
+    share = NodeShare(ranks=ranks, world_size=world_size, epochs=(0, 1), format="files", seed=7)
+    keys, accesses = share.keys_and_accesses(
+        served.url, cache_dir=str(tmp_path / "probe"), storage_options=served.storage_options
+    )
+    assert keys == expected  # the order they will first be read in
+    assert len(accesses) >= len(keys)
+    report = warm(
+        served.url,
+        cache_dir=str(tmp_path / "c"),
+        storage_options=served.storage_options,
+        share=share,
+        policy="plan",
+        progress=False,
+    )
+    assert report.fetched == len(expected)
+    assert {k for k in served.files if served.gets(k)} == set(expected)
+
+
+def test_cli_warms_a_node_share(tmp_path: Path) -> None:
+    with open_remote("http", tmp_path, count=40) as remote:
+        expected = _sampler_keys(remote, tmp_path / "probe", (0,), 4, (0,))
+        out = run_cli(
+            "warm",
+            remote.url,
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--format",
+            "files",
+            "--rank",
+            "0",
+            "--world-size",
+            "4",
+            "--epochs",
+            "0",
+            "--seed",
+            "7",
+            "--json",
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["fetched"] == len(expected)
+        assert {k for k in remote.files if remote.gets(k)} == set(expected)

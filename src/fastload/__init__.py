@@ -6,6 +6,7 @@ See DESIGN.md for the data path; each stage lives in its own module.
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from fastload.datasets import open_dataset
 from fastload.errors import (
@@ -15,6 +16,7 @@ from fastload.errors import (
     ReadError,
     ShortReadError,
 )
+from fastload.plan import Plan, PlanError, ResumeState, ResumeStateError, ShardFuture
 from fastload.reader import (
     BatchReader,
     ReadRequest,
@@ -23,6 +25,19 @@ from fastload.reader import (
     native_status,
 )
 from fastload.warm import warm
+
+if TYPE_CHECKING:
+    from fastload.sampler import ShardedSampler
+
+
+def __getattr__(name: str) -> Any:
+    # torch-facing parts import torch (about a second); the CLI and the cache do not need it.
+    if name == "ShardedSampler":
+        from fastload.sampler import ShardedSampler
+
+        return ShardedSampler
+    raise AttributeError(f"module 'fastload' has no attribute {name!r}")
+
 
 try:
     __version__ = version("fastload")
@@ -34,8 +49,14 @@ __all__ = [
     "FastloadError",
     "InvalidDestinationError",
     "NotYetAvailableError",
+    "Plan",
+    "PlanError",
     "ReadError",
     "ReadRequest",
+    "ResumeState",
+    "ResumeStateError",
+    "ShardFuture",
+    "ShardedSampler",
     "ShortReadError",
     "__version__",
     "aligned_empty",

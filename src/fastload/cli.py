@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import fastload
 from fastload.errors import FastloadError, NotYetAvailableError
+from fastload.plan import DEFAULT_WINDOW_SHARDS
 
 if TYPE_CHECKING:
     from fastload.bench.runner import Report
@@ -49,14 +50,39 @@ def _print(payload: dict[str, Any] | list[Any], as_json: bool, text: str) -> Non
     print(json.dumps(payload, indent=2) if as_json else text)
 
 
-def _warm(args: argparse.Namespace) -> int:
-    if args.rank is not None or args.world_size is not None or args.epochs is not None:
-        raise NotYetAvailableError(
-            "warming one node's share (--rank/--world-size/--epochs) is not available yet: "
-            "it needs the plan (issue #4); leave them out to warm the whole dataset"
-        )
-    from fastload.warm import warm
+def parse_int_range(text: str) -> tuple[int, ...]:
+    """'3' -> (3,); '0..2' -> (0, 1, 2) inclusive; '0,2,5' -> (0, 2, 5)."""
+    try:
+        if ".." in text:
+            first, last = (int(x) for x in text.split("..", 1))
+            if last < first:
+                raise ValueError
+            return tuple(range(first, last + 1))
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a number, list or range: {text!r} (try 0..2)"
+        ) from None
 
+
+def _warm(args: argparse.Namespace) -> int:
+    from fastload.warm import NodeShare, warm
+
+    share = None
+    given = [args.rank is not None, args.world_size is not None, args.epochs is not None]
+    if any(given):
+        if not all(given):
+            raise UsageError("--rank, --world-size and --epochs go together")
+        share = NodeShare(
+            ranks=args.rank,
+            world_size=args.world_size,
+            epochs=args.epochs,
+            format=args.format,
+            seed=args.seed,
+            shuffle=not args.no_shuffle,
+            drop_last=args.drop_last,
+            window_shards=args.window_shards,
+        )
     report = warm(
         args.url,
         cache_dir=args.cache_dir,
@@ -66,6 +92,7 @@ def _warm(args: argparse.Namespace) -> int:
         refresh=args.refresh,
         dry_run=args.dry_run,
         progress=None if not args.json else False,
+        share=share,
     )
     if args.dry_run:
         text = (
@@ -186,9 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--max-bytes", type=parse_size, help="cache budget, e.g. 200G")
     warm.add_argument("--policy", choices=["lru", "pin", "plan"], default="lru")
     warm.add_argument("--refresh", action="store_true", help="list the remote again")
-    warm.add_argument("--rank", type=int)
+    warm.add_argument("--rank", type=parse_int_range, help="this node's ranks: R, R1,R2 or R1..R2")
     warm.add_argument("--world-size", type=int)
-    warm.add_argument("--epochs", help="E..F, inclusive")
+    warm.add_argument("--epochs", type=parse_int_range, help="E, or E..F inclusive")
+    warm.add_argument("--seed", type=int, default=0, help="the sampler's seed (with --rank)")
+    warm.add_argument("--no-shuffle", action="store_true", help="the sampler does not shuffle")
+    warm.add_argument("--drop-last", action="store_true", help="the sampler drops the tail")
+    warm.add_argument("--window-shards", type=int, default=DEFAULT_WINDOW_SHARDS)
     warm.add_argument("--dry-run", action="store_true")
     warm.add_argument("--json", action="store_true")
     warm.set_defaults(run=_warm)
@@ -211,10 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(Exception):
+    """Arguments that parse but do not fit together (exit code 2)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         code: int = args.run(args)
+    except UsageError as exc:
+        parser.error(str(exc))
     except NotYetAvailableError as exc:
         print(f"fastload: {exc}", file=sys.stderr)
         return 2

@@ -8,10 +8,54 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-from fastload.cache import Cache, Policy
+from fastload.cache import Cache, PlanHint, Policy
 from fastload.manifest import load_manifest
+from fastload.plan import DEFAULT_WINDOW_SHARDS
 from fastload.remote import open_filesystem, public_url
 from fastload.stage import FetchConfig, Stager, _Progress
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeShare:
+    """The ranks one node runs and the epochs to warm, with the plan settings of the job."""
+
+    ranks: tuple[int, ...]
+    world_size: int
+    epochs: tuple[int, ...]
+    format: str = "auto"
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    window_shards: int = DEFAULT_WINDOW_SHARDS
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not self.ranks or any(not 0 <= r < self.world_size for r in self.ranks):
+            raise ValueError(f"ranks must be in [0, {self.world_size}), got {list(self.ranks)}")
+        if not self.epochs or min(self.epochs) < 0:
+            raise ValueError(f"epochs must be one or more epochs >= 0, got {list(self.epochs)}")
+
+    def keys_and_accesses(self, url: str, **open_options: Any) -> tuple[list[str], list[str]]:
+        """The object keys to stage (first needed first) and every object access in order."""
+        from fastload.datasets import open_dataset
+        from fastload.plan import Plan
+
+        with open_dataset(url, format=self.format, **open_options) as dataset:
+            plan = Plan(
+                dataset.shard_sizes,
+                seed=self.seed,
+                shuffle=self.shuffle,
+                drop_last=self.drop_last,
+                window_shards=self.window_shards,
+            )
+            future = plan.future(self.epochs, world_size=self.world_size, ranks=self.ranks)
+            keys = [k for s in future.first_needed for k in dataset.shard_keys[int(s)]]
+            store = dataset.store
+            accesses = [
+                store.object_url(k) for s in future.accesses() for k in dataset.shard_keys[int(s)]
+            ]
+        return list(dict.fromkeys(keys)), accesses
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,8 +127,14 @@ def warm(
     dry_run: bool = False,
     progress: bool | Callable[[_Progress], None] | None = None,
     fetch: FetchConfig | None = None,
+    share: NodeShare | None = None,
 ) -> WarmReport:
     """Stages url's objects (or only ``keys``, in that order) into the cache.
+
+    With ``share``, stages exactly the shards those ranks will read in those epochs, in the
+    order they will read them (the dataset is opened with ``share.format`` to know its
+    shards; the plan settings must match the training job's sampler). With the ``plan``
+    policy the cache then also knows the future and evicts what is needed furthest ahead.
 
     Resumable: objects already cached (same version) are not fetched again. A permanent
     failure (not found, access refused, full disk) raises; transient failures that outlast
@@ -92,7 +142,17 @@ def warm(
     ``progress=None`` shows a bar when stderr is a terminal.
     """
     started = time.monotonic()
+    hint: list[str] | None = None
+    if share is not None:
+        if keys is not None:
+            raise ValueError("give keys or share, not both")
+        keys, hint = share.keys_and_accesses(
+            url, cache_dir=cache_dir, storage_options=storage_options, refresh=refresh, ttl_s=ttl_s
+        )
+        refresh = False  # listed just now
     with Cache(cache_dir, max_bytes=max_bytes, policy=policy) as cache:
+        if hint is not None:
+            cache.plan = PlanHint(hint)
         manifest = load_manifest(url, cache.dir, storage_options, refresh=refresh, ttl_s=ttl_s)
         objects = list(manifest.objects)
         if keys is not None:
