@@ -24,7 +24,7 @@ from fastload.reader import (
     native_available,
     native_status,
 )
-from fastload.warm import warm
+from fastload.warm import NodeShare, WarmReport, warm
 
 if TYPE_CHECKING:
     from fastload.sampler import ShardedSampler
@@ -48,6 +48,7 @@ __all__ = [
     "BatchReader",
     "FastloadError",
     "InvalidDestinationError",
+    "NodeShare",
     "NotYetAvailableError",
     "Plan",
     "PlanError",
@@ -58,6 +59,7 @@ __all__ = [
     "ShardFuture",
     "ShardedSampler",
     "ShortReadError",
+    "WarmReport",
     "__version__",
     "aligned_empty",
     "native_available",
