@@ -41,6 +41,9 @@ _PACED_CHUNK_MIN = 1024
 _PACED_CHUNK_MAX = 64 * 1024
 
 
+_CLOSE_TIMEOUT_S = 5.0
+
+
 class _Unset(enum.Enum):
     """Marks "not given" where None is a meaningful value (no bandwidth cap)."""
 
@@ -333,6 +336,15 @@ class RemoteControls:
     def _count_sent(self, nbytes: int) -> None:
         with self._controls_lock:
             self._bytes_sent += nbytes
+
+    def _stop_serving(self, server: ConnectionTrackingMixin, thread: threading.Thread) -> None:
+        """Stops a server's loop and its connections without waiting on a stuck handler."""
+        self._closing.set()  # wakes handlers sleeping for latency or bandwidth
+        if thread.is_alive():
+            server.shutdown()
+        server.close_all_connections()
+        server.server_close()
+        thread.join(_CLOSE_TIMEOUT_S)
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep unless the server is closing; False means stop serving at once."""

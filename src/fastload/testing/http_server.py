@@ -37,7 +37,6 @@ __all__ = ["RangeHTTPServer"]
 _RANGE_RE = re.compile(r"bytes=(\d*)-(\d*)")
 # An idle keep-alive connection is dropped after this long, so its thread ends.
 _IDLE_TIMEOUT_S = 60.0
-_CLOSE_TIMEOUT_S = 5.0
 
 
 class _Unsatisfiable(Exception):
@@ -296,12 +295,7 @@ class RangeHTTPServer(RemoteControls):
             if self._closed:
                 return
             self._closed = True
-        self._closing.set()  # wakes handlers sleeping for latency or bandwidth
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.close_all_connections()
-        self._server.server_close()
-        self._thread.join(_CLOSE_TIMEOUT_S)
+        self._stop_serving(self._server, self._thread)
 
     def __enter__(self) -> RangeHTTPServer:
         return self

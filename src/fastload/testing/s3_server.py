@@ -44,7 +44,6 @@ REGION = "us-east-1"
 _CONTROL_HEADER = "X-Fastload-Testing-Control"
 _CONTROL_ENVIRON = "HTTP_" + _CONTROL_HEADER.upper().replace("-", "_")
 _RESET_ENVIRON = "fastload.testing.reset"
-_CLOSE_TIMEOUT_S = 5.0
 _HELPER_TIMEOUT_S = 30.0
 
 _S3_ERRORS: dict[int, tuple[str, str]] = {
@@ -367,12 +366,7 @@ class S3Server(RemoteControls):
         finally:
             if client is not None:
                 client.close()
-            self._closing.set()  # wakes handlers sleeping for latency or bandwidth
-            if self._thread.is_alive():
-                self._server.shutdown()
-            self._server.close_all_connections()
-            self._server.server_close()
-            self._thread.join(_CLOSE_TIMEOUT_S)
+            self._stop_serving(self._server, self._thread)
 
     def __enter__(self) -> S3Server:
         return self
