@@ -228,8 +228,13 @@ def test_evict_and_clear(tmp_path: Path) -> None:
             put(cache, f"s3://b/{name}", b"x" * 100)
         assert cache.evict(to_bytes=200) == 2
         assert cache.used_bytes() == 200
+        (tmp_path / "manifests" / "x.json").write_text("{}")
+        (tmp_path / "indexes").mkdir()
+        (tmp_path / "indexes" / "y.json").write_text("{}")
         assert cache.clear() == 2
         assert cache.entries() == []
+        assert not list((tmp_path / "manifests").iterdir())
+        assert not list((tmp_path / "indexes").iterdir())
 
 
 def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path: Path) -> None:

@@ -755,8 +755,14 @@ class Cache:
         return removed
 
     def clear(self) -> int:
-        """Removes every object not in use; returns how many were removed."""
-        return self.evict(to_bytes=0)
+        """Removes every object not in use, and the listings and format indexes derived from
+        the remote (they are rebuilt on next use); returns how many objects were removed."""
+        removed = self.evict(to_bytes=0)
+        for derived in ("manifests", "indexes"):
+            for path in (self.dir / derived).glob("*"):
+                if path.is_file():
+                    path.unlink(missing_ok=True)
+        return removed
 
     def close(self) -> None:
         """Writes buffered uses to the index and closes this process's connections."""

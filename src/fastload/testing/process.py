@@ -2,7 +2,7 @@
 
 In the client's process the server's request handling competes for the GIL with the
 code being measured; on a 2-core machine that skews every figure. This runs
-``python -m fastload.testing.http_server`` and reads its counters over HTTP.
+``python -m fastload.testing`` and reads its counters over HTTP.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class HTTPServerProcess:
         latency_s: float = 0.0,
         bandwidth_bytes_per_s: float | None = None,
     ) -> None:
-        cmd = [sys.executable, "-m", "fastload.testing.http_server", str(Path(root).resolve())]
+        cmd = [sys.executable, "-m", "fastload.testing", str(Path(root).resolve())]
         cmd += ["--latency-s", str(latency_s)]
         if bandwidth_bytes_per_s is not None:
             cmd += ["--bandwidth-bytes-per-s", str(bandwidth_bytes_per_s)]

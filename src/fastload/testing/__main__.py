@@ -1,0 +1,42 @@
+"""``python -m fastload.testing ROOT``: a loopback HTTP server in a process of its own."""
+
+from __future__ import annotations
+
+import threading
+
+from fastload.testing.faults import RemoteBehavior
+from fastload.testing.http_server import RangeHTTPServer
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve a directory from its own process (so its work does not share the client's GIL).
+
+    Prints the base URL on one line, then serves until stdin closes or SIGTERM arrives.
+    """
+    import argparse
+    import signal
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m fastload.testing")
+    parser.add_argument("root")
+    parser.add_argument("--latency-s", type=float, default=0.0)
+    parser.add_argument("--bandwidth-bytes-per-s", type=float, default=None)
+    args = parser.parse_args(argv)
+    behavior = RemoteBehavior(
+        latency_s=args.latency_s, bandwidth_bytes_per_s=args.bandwidth_bytes_per_s
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with RangeHTTPServer(args.root, behavior=behavior) as server:
+        print(server.url, flush=True)
+
+        def stop_when_stdin_closes() -> None:
+            sys.stdin.read()
+            stop.set()
+
+        threading.Thread(target=stop_when_stdin_closes, daemon=True).start()
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()
