@@ -1,0 +1,495 @@
+"""Decoding JPEGs into training batches on the CPU: fastload's CPU backend against its peers.
+
+Data: ``images`` JPEGs like TARGETS.md's (400-500 x 350-500 px, quality 90, about 105 KB,
+natural-image-like content: smooth random fields at a few scales plus fine noise), in 100
+ImageFolder class folders, generated once into the data directory and kept. Two cases, at
+``size`` px, ``batch_size`` per batch, ``workers`` threads or processes:
+
+* train preset: RandomResizedCrop(size, scale=(0.08, 1)) + horizontal flip + normalize;
+* eval preset: resize the shorter side to ``size * 8 / 7`` (256 for 224) + center crop +
+  normalize.
+
+Every system reads the files itself (from the page cache after the warm-up) and delivers
+float32 (N, 3, size, size) batches. Systems take turns within each repeat, so drift on a
+shared machine hits them alike; each figure is the median of the repeats, after one
+untimed warm-up epoch (which also starts worker processes).
+
+Systems (:func:`systems`; a peer joins by adding an entry there):
+
+* ``fastload CPU``: :class:`fastload.decode.cpu.CPUDecoder`, its defaults: simplejpeg with
+  DCT-scaled decoding, torch ops, ``workers`` threads in the calling process.
+* ``fastload CPU, DCT scaling off``: the same, always decoding at full size.
+* ``fastload CPU in DataLoader processes``: the same decoder with one thread in each of
+  ``workers`` torch DataLoader worker processes, a batch per task: threads vs processes.
+* ``torch DataLoader + Pillow`` (the reference of every ratio): ``workers`` DataLoader
+  processes, Pillow decoding, and hand-written torch equivalents of RandomResizedCrop
+  (torchvision's parameter draw), flip and normalize on float32, or Resize + CenterCrop with
+  torchvision's rounding. torchvision itself cannot be used here (its wheels need a matching
+  torch build, and this environment's torch has none), so this stands in for the canonical
+  ``torchvision.datasets.ImageFolder`` + transforms pipeline.
+* ``simplejpeg + torch ops, DataLoader``: the same torch ops after simplejpeg's decode, in
+  ``workers`` DataLoader processes (TARGETS.md's "simplejpeg + torch ops" peer).
+* ``simplejpeg + torch ops, plain loop``: the same in the calling thread, one image at a time.
+
+NVIDIA DALI's CPU pipeline is to be added as a peer (issue #5) by appending to
+:func:`systems`.
+
+Command (full size: 3,000 images, median of 3)::
+
+    .venv/bin/python benchmarks/benchmark_decode.py --out fastload-bench
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import math
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
+import torch.utils.data
+
+from fastload.bench.runner import Measurement, Report, relate
+from fastload.decode.base import DecodeConfig
+from fastload.decode.cpu import CPUDecoder, decode_rgb
+from fastload.decode.params import EvalPreset, TrainPreset
+
+REFERENCE = "torch DataLoader + Pillow"
+CLASSES = 100
+
+Preset = TrainPreset | EvalPreset
+EpochFn = Callable[[int], int]  # (epoch) -> images delivered
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeBenchConfig:
+    images: int = 3000
+    batch_size: int = 64
+    workers: int = 2  # threads for fastload, processes for DataLoader peers
+    size: int = 224
+    repeats: int = 3
+    presets: tuple[str, ...] = ("train", "eval")
+    systems: tuple[str, ...] | None = None  # names from systems(); None: all
+    decoders: bool = True  # also time the JPEG decoders alone, on one thread
+
+    def __post_init__(self) -> None:
+        for name in ("images", "batch_size", "workers", "size", "repeats"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        unknown = set(self.presets) - {"train", "eval"}
+        if unknown or not self.presets:
+            raise ValueError(f"presets must be among 'train', 'eval', got {self.presets}")
+
+    @classmethod
+    def quick(cls) -> DecodeBenchConfig:
+        return cls(images=300)
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+def natural_image(rng: np.random.Generator, height: int, width: int) -> npt.NDArray[np.uint8]:
+    """Natural-image-like content: smooth random fields at four scales plus fine noise, which
+    at quality 90 compresses to TARGETS.md's ~0.5 bytes a pixel (about 105 KB at 450 x 425)."""
+    img = np.full((3, height, width), 128.0, dtype=np.float32)
+    for cells, amp in ((4, 60.0), (16, 30.0), (64, 20.0), (160, 12.0)):
+        grid = torch.from_numpy(rng.normal(0, 1, (1, 3, cells, cells)).astype(np.float32))
+        up = F.interpolate(grid, size=(height, width), mode="bicubic", align_corners=False)
+        img += amp * up[0].numpy()
+    img += rng.normal(0, 14.0, (1, height, width)) + rng.normal(0, 14.0 / 3, (3, height, width))
+    return np.ascontiguousarray(np.clip(img, 0, 255).astype(np.uint8).transpose(1, 2, 0))
+
+
+def generate(data_dir: Path, config: DecodeBenchConfig) -> list[Path]:
+    """``images`` JPEGs in ImageFolder layout (``class_NNN/NNNNNN.jpg``); existing ones stay."""
+    from PIL import Image
+
+    paths = []
+    for i in range(config.images):
+        path = data_dir / f"class_{i % CLASSES:03d}" / f"{i:06d}.jpg"
+        paths.append(path)
+        if path.exists():
+            continue
+        rng = np.random.default_rng([i, 105])
+        height, width = int(rng.integers(350, 501)), int(rng.integers(400, 501))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        Image.fromarray(natural_image(rng, height, width)).save(buf, "JPEG", quality=90)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(buf.getvalue())
+        os.replace(tmp, path)
+    return paths
+
+
+# --- hand-written torch equivalents of torchvision's transforms (for the peers) ---------------
+
+
+def random_resized_crop_box(
+    height: int, width: int, rng: random.Random, scale: tuple[float, float] = (0.08, 1.0)
+) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params: (top, left, h, w)."""
+    area = height * width
+    log_ratio = (math.log(3 / 4), math.log(4 / 3))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    ratio = width / height
+    if ratio < 3 / 4:
+        w, h = width, round(width / (3 / 4))
+    elif ratio > 4 / 3:
+        h, w = height, round(height * (4 / 3))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+class TorchOps:
+    """RandomResizedCrop + flip + normalize, or Resize + CenterCrop + normalize, on float32
+    CHW tensors as a user would write them without torchvision (antialiased bilinear)."""
+
+    def __init__(self, preset: Preset, seed: int = 0) -> None:
+        self.preset = preset
+        self.rng = random.Random(seed)
+        self.mean = torch.tensor(preset.mean).view(3, 1, 1)
+        self.std = torch.tensor(preset.std).view(3, 1, 1)
+
+    def __call__(self, rgb: npt.NDArray[np.uint8]) -> torch.Tensor:
+        x = torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255)
+        h, w = x.shape[1:]
+        p = self.preset
+        if isinstance(p, TrainPreset):
+            top, left, ch, cw = random_resized_crop_box(h, w, self.rng, p.scale)
+            x = self._resize(x[:, top : top + ch, left : left + cw], (p.size, p.size))
+            if self.rng.random() < p.flip_p:
+                x = x.flip(-1)
+        else:
+            short, long = (h, w) if h <= w else (w, h)
+            new_long = int(p.resize * long / short)
+            new_h, new_w = (p.resize, new_long) if h <= w else (new_long, p.resize)
+            x = self._resize(x, (new_h, new_w))
+            top, left = round((new_h - p.size) / 2.0), round((new_w - p.size) / 2.0)
+            x = x[:, top : top + p.size, left : left + p.size]
+        return x.sub_(self.mean).div_(self.std)
+
+    @staticmethod
+    def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        return F.interpolate(
+            x[None], size=size, mode="bilinear", antialias=True, align_corners=False
+        )[0]
+
+
+def _pillow_rgb(path: Path) -> npt.NDArray[np.uint8]:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.array(im.convert("RGB"))
+
+
+def _simplejpeg_rgb(path: Path) -> npt.NDArray[np.uint8]:
+    return decode_rgb(path.read_bytes())
+
+
+class ImageFiles(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """An ImageFolder-like dataset: decode with ``decode``, then the torch ops."""
+
+    def __init__(
+        self, paths: Sequence[Path], preset: Preset, decode: Callable[[Path], Any]
+    ) -> None:
+        self.paths = list(paths)
+        self.decode = decode
+        self.ops = TorchOps(preset, seed=torch.initial_seed() % 2**32)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        path = self.paths[i]
+        return self.ops(self.decode(path)), int(path.parent.name.split("_")[1])
+
+
+class FastloadBatches(torch.utils.data.Dataset[torch.Tensor]):
+    """Whole batches through a one-thread CPUDecoder in each DataLoader worker process."""
+
+    def __init__(self, paths: Sequence[Path], preset: Preset, batch_size: int) -> None:
+        self.paths = list(paths)
+        self.preset = preset
+        self.batch_size = batch_size
+        self.epoch = 0
+        self._decoder: CPUDecoder | None = None
+
+    def __len__(self) -> int:
+        return -(-len(self.paths) // self.batch_size)
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        if self._decoder is None:  # one per worker process, made there
+            self._decoder = CPUDecoder(DecodeConfig(transform=self.preset, num_threads=1))
+        indices = range(b * self.batch_size, min(len(self.paths), (b + 1) * self.batch_size))
+        data = [self.paths[i].read_bytes() for i in indices]
+        images: torch.Tensor = self._decoder.decode(data, indices=indices).images
+        return images
+
+
+# --- systems ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    paths: list[Path]
+    preset: Preset
+    batch_size: int
+    workers: int
+
+
+@dataclass(frozen=True)
+class System:
+    """A system under test: ``open(workload)`` sets it up (threads, worker processes) and
+    yields a function that runs one epoch over every image and returns how many it made."""
+
+    name: str
+    open: Callable[[Workload], AbstractContextManager[EpochFn]]
+    note: str = ""
+
+
+@contextmanager
+def _fastload_threads(work: Workload, *, dct_scaling: bool = True) -> Iterator[EpochFn]:
+    config = DecodeConfig(transform=work.preset, num_threads=work.workers)
+    with CPUDecoder(config, dct_scaling=dct_scaling) as decoder:
+
+        def epoch(e: int) -> int:
+            done = 0
+            for start in range(0, len(work.paths), work.batch_size):
+                chunk = work.paths[start : start + work.batch_size]
+                data = [p.read_bytes() for p in chunk]
+                indices = range(start, start + len(chunk))
+                done += len(decoder.decode(data, indices=indices, epoch=e).images)
+            return done
+
+        yield epoch
+
+
+def _fastload_no_dct(work: Workload) -> AbstractContextManager[EpochFn]:
+    return _fastload_threads(work, dct_scaling=False)
+
+
+@contextmanager
+def _dataloader(
+    dataset: torch.utils.data.Dataset[Any], workers: int, batch_size: int | None
+) -> Iterator[EpochFn]:
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=workers,
+        persistent_workers=True,
+        # Not forked from this process, whose other systems' threads may be running.
+        multiprocessing_context="forkserver",
+    )
+    try:
+
+        def epoch(e: int) -> int:
+            done = 0
+            for batch in loader:
+                done += len(batch[0] if isinstance(batch, list | tuple) else batch)
+            return done
+
+        yield epoch
+    finally:
+        iterator = loader._iterator  # persistent workers: stop them now, not at exit
+        if iterator is not None:
+            iterator._shutdown_workers()  # type: ignore[attr-defined]
+
+
+def _fastload_processes(work: Workload) -> AbstractContextManager[EpochFn]:
+    dataset = FastloadBatches(work.paths, work.preset, work.batch_size)
+    return _dataloader(dataset, work.workers, None)
+
+
+def _dataloader_pillow(work: Workload) -> AbstractContextManager[EpochFn]:
+    dataset = ImageFiles(work.paths, work.preset, _pillow_rgb)
+    return _dataloader(dataset, work.workers, work.batch_size)
+
+
+def _dataloader_simplejpeg(work: Workload) -> AbstractContextManager[EpochFn]:
+    dataset = ImageFiles(work.paths, work.preset, _simplejpeg_rgb)
+    return _dataloader(dataset, work.workers, work.batch_size)
+
+
+@contextmanager
+def _plain_loop(work: Workload) -> Iterator[EpochFn]:
+    ops = TorchOps(work.preset)
+
+    def epoch(e: int) -> int:
+        done = 0
+        for start in range(0, len(work.paths), work.batch_size):
+            chunk = work.paths[start : start + work.batch_size]
+            done += len(torch.stack([ops(_simplejpeg_rgb(p)) for p in chunk]))
+        return done
+
+    yield epoch
+
+
+def systems() -> list[System]:
+    """Every system measured, fastload first; a peer joins by appending here."""
+    return [
+        System("fastload CPU", _fastload_threads, "threads, DCT-scaled decode"),
+        System("fastload CPU, DCT scaling off", _fastload_no_dct, "threads"),
+        System("fastload CPU in DataLoader processes", _fastload_processes, "1 thread each"),
+        System(REFERENCE, _dataloader_pillow, "float32 torch ops"),
+        System("simplejpeg + torch ops, DataLoader", _dataloader_simplejpeg, "float32 torch ops"),
+        System("simplejpeg + torch ops, plain loop", _plain_loop, "1 process"),
+        # NVIDIA DALI's CPU pipeline (decoders.image_random_crop) joins here: issue #5.
+    ]
+
+
+# --- run --------------------------------------------------------------------------------------
+
+
+def _preset(name: str, size: int) -> Preset:
+    if name == "train":
+        return TrainPreset(size=size)
+    return EvalPreset(resize=round(size * 8 / 7), size=size)
+
+
+def run(data_dir: str | os.PathLike[str], config: DecodeBenchConfig | None = None) -> Report:
+    config = config or DecodeBenchConfig()
+    paths = generate(Path(data_dir), config)
+    nbytes = sum(p.stat().st_size for p in paths)
+    chosen = [s for s in systems() if config.systems is None or s.name in config.systems]
+    if config.systems is not None and len(chosen) != len(config.systems):
+        known = [s.name for s in systems()]
+        raise ValueError(f"systems must be among {known}, got {config.systems}")
+    report = Report(
+        name="decode",
+        params={
+            **config.__dict__,
+            "data_dir": str(data_dir),
+            "mean_file_bytes": nbytes // len(paths),
+        },
+    )
+    rows: list[Measurement] = []
+    for preset_name in config.presets:
+        preset = _preset(preset_name, config.size)
+        work = Workload(paths, preset, config.batch_size, config.workers)
+        case = f"{preset_name} preset, {config.size} px, batch {config.batch_size}"
+        rows += _measure_case(case, work, chosen, config.repeats, nbytes)
+    rows = relate(rows, REFERENCE)
+    if config.decoders:
+        rows += relate(_measure_decoders(paths, config.repeats), DECODER_REFERENCE)
+    report.rows = rows
+    return report
+
+
+def _measure_case(
+    case: str, work: Workload, chosen: list[System], repeats: int, nbytes: int
+) -> list[Measurement]:
+    """Opens every system, warms each up, then times them in turns, ``repeats`` rounds."""
+    times: dict[str, list[float]] = {s.name: [] for s in chosen}
+    with ExitStack() as opened:
+        epochs = {s.name: opened.enter_context(s.open(work)) for s in chosen}
+        for name, epoch in epochs.items():
+            made = epoch(0)
+            if made != len(work.paths):
+                raise RuntimeError(f"{name} made {made} images of {len(work.paths)}")
+        for r in range(repeats):
+            for name, epoch in epochs.items():
+                start = time.perf_counter()
+                epoch(1 + r)
+                times[name].append(time.perf_counter() - start)
+    return [
+        Measurement(
+            benchmark="decode",
+            case=case,
+            system=s.name,
+            seconds=statistics.median(times[s.name]),
+            repeats=times[s.name],
+            items=len(work.paths),
+            nbytes=nbytes,
+            note=s.note,
+        )
+        for s in chosen
+    ]
+
+
+# --- the JPEG decoders alone ------------------------------------------------------------------
+
+DECODER_REFERENCE = "Pillow"
+
+
+def decoders() -> dict[str, Callable[[bytes], object]]:
+    """JPEG bytes -> RGB pixels, full size and at 1/2 (DCT scaling); OpenCV where installed."""
+    from PIL import Image
+
+    def pillow(data: bytes, reduce: int = 1) -> object:
+        with Image.open(io.BytesIO(data)) as im:
+            if reduce > 1:
+                im.draft("RGB", (im.width // reduce, im.height // reduce))
+            return np.asarray(im if im.mode == "RGB" else im.convert("RGB"))
+
+    found: dict[str, Callable[[bytes], object]] = {
+        DECODER_REFERENCE: pillow,
+        "Pillow draft 1/2": lambda d: pillow(d, 2),
+        "simplejpeg": decode_rgb,
+        "simplejpeg 1/2": lambda d: decode_rgb(d, 2),
+    }
+    try:
+        cv2: Any = importlib.import_module("cv2")
+    except ImportError:
+        return found
+    cv2.setNumThreads(1)
+
+    # OpenCV 4.10+ decodes straight to RGB; older ones give BGR, converted after.
+    rgb_flag = getattr(cv2, "IMREAD_COLOR_RGB", None)
+
+    def opencv(data: bytes, flag: int) -> object:
+        if rgb_flag is not None:
+            rgb = (flag & ~cv2.IMREAD_COLOR) | rgb_flag  # the REDUCED flags include BGR's bit
+            return cv2.imdecode(np.frombuffer(data, np.uint8), rgb)
+        return cv2.cvtColor(cv2.imdecode(np.frombuffer(data, np.uint8), flag), cv2.COLOR_BGR2RGB)
+
+    found["OpenCV"] = lambda d: opencv(d, cv2.IMREAD_COLOR)
+    found["OpenCV IMREAD_REDUCED 1/2"] = lambda d: opencv(d, cv2.IMREAD_REDUCED_COLOR_2)
+    return found
+
+
+def _measure_decoders(paths: Sequence[Path], repeats: int) -> list[Measurement]:
+    """Each decoder over the same encoded bytes (in memory), one thread, in turns."""
+    data = [p.read_bytes() for p in paths[:500]]
+    nbytes = sum(map(len, data))
+    found = decoders()
+    times: dict[str, list[float]] = {name: [] for name in found}
+    for fn in found.values():  # warm-up
+        for d in data[:20]:
+            fn(d)
+    for _ in range(repeats):
+        for name, fn in found.items():
+            start = time.perf_counter()
+            for d in data:
+                fn(d)
+            times[name].append(time.perf_counter() - start)
+    case = f"JPEG decode alone, 1 thread, {len(data)} images"
+    return [
+        Measurement(
+            benchmark="decode",
+            case=case,
+            system=name,
+            seconds=statistics.median(t),
+            repeats=t,
+            items=len(data),
+            nbytes=nbytes,
+        )
+        for name, t in times.items()
+    ]

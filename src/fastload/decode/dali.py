@@ -1,0 +1,560 @@
+"""The DALI decode backend: one DALI pipeline in the main process, fed encoded bytes per batch.
+
+Two graphs, chosen once at construction:
+
+- GPU (``device_id`` given, or ``config.device`` is ``cuda[:k]``): ``mixed`` decoding (nvJPEG
+  and, where the GPU has one, the hardware JPEG decoder), resize and normalize on the GPU; the
+  result reaches torch through DLPack without a copy.
+- CPU (``device_id=None`` and ``config.device="cpu"``): the same operators on DALI's CPU
+  threads.
+
+The crop box and flip of every sample come from :func:`fastload.decode.params.augment_for`
+(never from DALI's own random operators), fed in through ``external_source``, so this backend
+and the CPU backend produce the same batches. The box needs the image size before decoding;
+:func:`image_size` reads it from the header (JPEG and PNG natively, other formats through
+Pillow when it is installed).
+
+DALI fails a whole batch when one sample is bad and then declares its pipeline invalid. To
+name the sample (and to honour ``on_error="skip"``) headers are checked up front, and when
+DALI still fails the batch is split in halves on a fresh pipeline until the bad samples are
+found; that costs a pipeline rebuild per failed run and happens only when a batch has one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import re
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.dlpack import from_dlpack
+
+from fastload.decode.base import (
+    BackendUnavailableError,
+    DecodeConfig,
+    DecodedBatch,
+    DecodeError,
+    sample_name,
+)
+from fastload.decode.params import Augment, EvalPreset, TrainPreset, augment_for
+
+__all__ = ["INSTALL_HINT", "DALIDecoder", "image_format", "image_size"]
+
+INSTALL_HINT = (
+    "pip install nvidia-dali-cuda130 (or nvidia-dali-cuda120, matching your CUDA version; "
+    "the extra is fastload[dali])"
+)
+
+# JPEG frame headers (SOF0-SOF15 less DHT C4, JPG C8 and DAC CC): they carry the image size.
+_JPEG_SOF = frozenset(
+    {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+)
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_JP2_MAGIC = b"\x00\x00\x00\x0cjP  \r\n\x87\n"
+
+
+def image_format(data: bytes | memoryview) -> str | None:
+    """The image format the first bytes announce, among those DALI decodes; None if none.
+
+    Only the magic number is looked at: this is the cheap first check, not a validation.
+    """
+    head = bytes(data[:12])
+    if head[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if head[:8] == _PNG_MAGIC:
+        return "png"
+    if head[:2] == b"BM":
+        return "bmp"
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return "tiff"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    if head == _JP2_MAGIC or head[:4] == b"\xff\x4f\xff\x51":
+        return "jpeg2000"
+    if len(head) >= 3 and head[:1] == b"P" and head[1] in b"123456" and head[2] in b" \t\r\n":
+        return "pnm"
+    return None
+
+
+def image_size(data: bytes | memoryview) -> tuple[int, int]:
+    """(height, width) of an encoded image, read from its header without decoding.
+
+    JPEG (the first SOF segment) and PNG (IHDR) are parsed here; other formats DALI reads
+    (BMP, TIFF, WebP, JPEG 2000, PNM) go through Pillow, which also does not decode. Sizes are
+    of the stored pixels: EXIF orientation is not applied (the decoders here do not apply it
+    either, as ``torchvision.io.decode_jpeg`` by default). Raises ``ValueError`` saying why
+    when the data is empty, not a known image, or its header is truncated or corrupt.
+    """
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    if len(view) == 0:
+        raise ValueError("the data is empty (zero bytes)")
+    fmt = image_format(view)
+    if fmt is None:
+        raise ValueError(f"not an image DALI reads (starts with {bytes(view[:8])!r})")
+    if fmt == "jpeg":
+        return _jpeg_size(view)
+    if fmt == "png":
+        if len(view) < 24 or view[12:16].tobytes() != b"IHDR":
+            raise ValueError(f"truncated or corrupt PNG header ({len(view)} bytes)")
+        width, height = struct.unpack(">II", view[16:24])
+        if width == 0 or height == 0:
+            raise ValueError(f"the PNG header gives a size of {width}x{height}")
+        return height, width
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError(
+            f"reading the size of a {fmt} image needs Pillow (pip install pillow); "
+            "JPEG and PNG need nothing"
+        ) from None
+    try:
+        with Image.open(io.BytesIO(view.tobytes())) as im:
+            width, height = im.size
+    except Exception as e:  # Pillow raises many types for bad headers
+        raise ValueError(f"unreadable {fmt} header ({e})") from None
+    return height, width
+
+
+def _jpeg_size(view: memoryview) -> tuple[int, int]:
+    """Walk the marker segments after SOI up to the first frame header."""
+    n = len(view)
+    i = 2
+    while True:
+        if i + 1 >= n:
+            raise ValueError(f"truncated JPEG: no frame header (SOF) in its {n} bytes")
+        if view[i] != 0xFF:
+            raise ValueError(f"corrupt JPEG header: no marker at byte {i}")
+        marker = view[i + 1]
+        i += 2
+        if marker == 0xFF:  # a fill byte before the marker
+            i -= 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a segment
+            continue
+        if marker in (0xD9, 0xDA):
+            raise ValueError("corrupt JPEG header: image data (SOS) or its end before any SOF")
+        if i + 2 > n:
+            raise ValueError(f"truncated JPEG header ({n} bytes)")
+        length = (view[i] << 8) | view[i + 1]
+        if length < 2:
+            raise ValueError(f"corrupt JPEG header: segment length {length} at byte {i}")
+        if marker in _JPEG_SOF:
+            if i + 7 > n:
+                raise ValueError(f"truncated JPEG frame header ({n} bytes)")
+            height = (view[i + 3] << 8) | view[i + 4]
+            width = (view[i + 5] << 8) | view[i + 6]
+            if height == 0 or width == 0:
+                raise ValueError(f"the JPEG frame header gives a size of {width}x{height}")
+            return height, width
+        i += length
+
+
+def _check_header(data: bytes | memoryview, *, need_size: bool) -> tuple[int, int] | None:
+    """The cheap up-front check: (height, width) when asked for or when it costs nothing
+    (JPEG, PNG); otherwise only the magic number is checked. Raises ValueError saying why."""
+    fmt = image_format(data) if len(data) else None
+    if need_size or fmt in ("jpeg", "png") or fmt is None:
+        return image_size(data)
+    return None
+
+
+def _import_dali() -> tuple[Any, Any, Any]:
+    """nvidia.dali, its fn and types modules, imported only when a DALI decoder is made."""
+    try:
+        dali = importlib.import_module("nvidia.dali")
+        fn = importlib.import_module("nvidia.dali.fn")
+        types = importlib.import_module("nvidia.dali.types")
+    except (ImportError, OSError) as e:  # OSError: a wheel whose shared libraries do not load
+        raise BackendUnavailableError(
+            f"decode='dali' needs NVIDIA DALI, which could not be imported ({e}); {INSTALL_HINT}"
+        ) from e
+    return dali, fn, types
+
+
+def _resolve_device(device: str, device_id: int | None, dali: Any) -> torch.device:
+    """Where decoding runs and batches land: the CPU, or ``cuda:<device_id>``."""
+    want = torch.device(device)
+    if want.type not in ("cpu", "cuda"):
+        raise ValueError(f"the DALI backend decodes to 'cpu' or 'cuda[:k]', got device={device!r}")
+    if device_id is None:
+        if want.type == "cpu":
+            return want
+        # Plain "cuda" means torch's current device.
+        current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        device_id = want.index if want.index is not None else current
+    elif want.type == "cpu":
+        raise ValueError(
+            f"device_id={device_id} asks for GPU decoding but config.device is 'cpu'; "
+            f"set config.device='cuda:{device_id}', or device_id=None for DALI's CPU pipeline"
+        )
+    elif want.index is not None and want.index != device_id:
+        raise ValueError(f"device_id={device_id} contradicts config.device={device!r}")
+    if device_id < 0:
+        raise ValueError(f"device_id must be >= 0, got {device_id}")
+    dali_gpus = int(dali.backend.GetCUDADeviceCount())
+    torch_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if min(dali_gpus, torch_gpus) <= device_id:
+        raise BackendUnavailableError(
+            f"DALI GPU decoding on cuda:{device_id} needs that CUDA device, but DALI sees "
+            f"{dali_gpus} and torch sees {torch_gpus} (torch {torch.__version__}). Use "
+            "device_id=None with config.device='cpu' for DALI's CPU pipeline, or on a GPU "
+            f"machine install a CUDA build of torch and {INSTALL_HINT}"
+        )
+    return torch.device("cuda", device_id)
+
+
+def _dali_reason(error: BaseException) -> str:
+    """The informative line of a DALI pipeline error (they run to a dozen lines)."""
+    # DALI's "sample #k" counts within its own run, which would mislead next to our names.
+    text = re.sub(r"\s*sample #\d+", "", str(error))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if "no longer valid" not in ln and "Critical error" not in ln]
+    if "encountered:" in lines:
+        after = lines[lines.index("encountered:") + 1 :]
+        if after:
+            return after[0].rstrip(" :")
+    return lines[-1].rstrip(" :") if lines else type(error).__name__
+
+
+def _is_data_error(error: BaseException) -> bool:
+    """Whether a failed run can be blamed on the samples (not on memory or the device)."""
+    text = str(error).lower()
+    return not any(s in text for s in ("out of memory", "cuda error", "cudaerror", "cuda_error"))
+
+
+class DALIDecoder:
+    """Decodes batches of encoded images with NVIDIA DALI (see the module docstring).
+
+    ``device_id``: the GPU to decode on (None: ``config.device`` decides; "cpu" gives DALI's
+    CPU pipeline). ``batch_size_hint``: the pipeline's maximum batch; smaller batches are fed
+    as they are, larger ones in several runs. The remaining arguments tune the ``mixed``
+    decoder and are ignored by the CPU pipeline: ``hw_decoder_load`` (share of JPEGs sent to
+    the hardware decoder), ``device_memory_padding`` / ``host_memory_padding`` (bytes
+    preallocated per thread for nvJPEG, which avoids reallocations on large images) and
+    ``preallocate_width_hint`` / ``preallocate_height_hint`` (for the hardware decoder).
+
+    Make one per process, in the main process (a DALI pipeline owns threads and, on the GPU,
+    device memory; never one per DataLoader worker). Not reentrant: calls are serialized.
+    """
+
+    backend = "dali"
+
+    def __init__(
+        self,
+        config: DecodeConfig,
+        *,
+        device_id: int | None = None,
+        hw_decoder_load: float = 0.65,
+        batch_size_hint: int = 256,
+        device_memory_padding: int = 16 << 20,
+        host_memory_padding: int = 8 << 20,
+        preallocate_width_hint: int = 0,
+        preallocate_height_hint: int = 0,
+    ) -> None:
+        if not 0.0 <= hw_decoder_load <= 1.0:
+            raise ValueError(f"hw_decoder_load must be within [0, 1], got {hw_decoder_load}")
+        if batch_size_hint < 1:
+            raise ValueError(f"batch_size_hint must be >= 1, got {batch_size_hint}")
+        for name, value in (
+            ("device_memory_padding", device_memory_padding),
+            ("host_memory_padding", host_memory_padding),
+            ("preallocate_width_hint", preallocate_width_hint),
+            ("preallocate_height_hint", preallocate_height_hint),
+        ):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        self.config = config
+        self._dali, self._fn, self._types = _import_dali()
+        self.device = _resolve_device(config.device, device_id, self._dali)
+        self.max_batch_size = batch_size_hint
+        transform = config.transform
+        self._preset: TrainPreset | EvalPreset | None = (
+            transform if isinstance(transform, TrainPreset | EvalPreset) else None
+        )
+        self._callable: Callable[[torch.Tensor], torch.Tensor] | None = (
+            None if transform is None or self._preset is not None else transform
+        )
+        self._mixed_options = {  # GPU-only: the CPU decoder has no such settings
+            "hw_decoder_load": hw_decoder_load,
+            "device_memory_padding": device_memory_padding,
+            "host_memory_padding": host_memory_padding,
+            "preallocate_width_hint": preallocate_width_hint,
+            "preallocate_height_hint": preallocate_height_hint,
+            # nvJPEG upsamples chroma differently from libjpeg-turbo unless asked; this keeps
+            # GPU output close to the CPU backends'.
+            "jpeg_fancy_upsampling": True,
+        }
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._pipe: Any = None
+        self._closed = False
+        self._pipe = self._build()
+
+    # -- the pipeline ------------------------------------------------------------------------
+
+    @property
+    def _gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _build(self) -> Any:
+        pipe, _ = self._define(self.device)
+        pipe.build()
+        return pipe
+
+    def _define(self, device: torch.device) -> tuple[Any, Any]:
+        """The pipeline for ``device``, not yet built, and its output node.
+
+        Inputs are named external sources fed per batch. Kept apart from the build so that
+        the GPU graph can be checked against DALI's operator schemas on a machine without GPU.
+        """
+        dali, fn, types = self._dali, self._fn, self._types
+        gpu = device.type == "cuda"
+        pipe = dali.Pipeline(
+            batch_size=self.max_batch_size,
+            num_threads=self.config.num_threads,
+            device_id=device.index if gpu else None,
+            seed=self.config.seed,  # nothing random in the graph; set for reproducibility
+            prefetch_queue_depth=1,  # one batch in flight: decode() is synchronous
+            # The default executor allocates outputs per run and keeps them alive while they
+            # are referenced, so handing them to torch through DLPack without a copy is safe.
+            exec_dynamic=True,
+        )
+        decoder: dict[str, Any] = {
+            "output_type": types.RGB,  # grayscale, CMYK, alpha -> 3 channels
+            "adjust_orientation": False,  # boxes are in stored pixels (see image_size)
+        }
+        if gpu:
+            decoder.update(device="mixed", **self._mixed_options)  # GPU-only
+        else:
+            decoder.update(device="cpu")
+        with pipe:
+            encoded = fn.external_source(name="encoded", device="cpu", dtype=types.UINT8, ndim=1)
+            if self._preset is None:
+                images = fn.decoders.image(encoded, **decoder)
+                if self.config.layout == "NCHW" or self._callable is not None:
+                    images = fn.transpose(images, perm=[2, 0, 1], output_layout="CHW")
+            else:
+                preset = self._preset
+                anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
+                shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
+                mirror = fn.external_source(name="mirror", dtype=types.INT32, ndim=0)
+                # Decodes only the box where the format allows (ROI decoding): measured as
+                # fast as or faster than decode + fn.slice on the CPU, with identical pixels.
+                images = fn.decoders.image_slice(encoded, anchor, shape, axis_names="HW", **decoder)
+                # Float output keeps resize from rounding to uint8 before normalizing, which
+                # keeps it within ~0.01 of torch's antialiased bilinear on average.
+                images = fn.resize(
+                    images,
+                    resize_x=preset.size,
+                    resize_y=preset.size,
+                    interp_type=types.INTERP_LINEAR,
+                    antialias=True,
+                    dtype=types.FLOAT,
+                )
+                images = fn.crop_mirror_normalize(
+                    images,
+                    mirror=mirror,
+                    mean=[m * 255.0 for m in preset.mean],
+                    std=[s * 255.0 for s in preset.std],
+                    dtype=types.FLOAT,
+                    output_layout="CHW" if self.config.layout == "NCHW" else "HWC",
+                )
+            pipe.set_outputs(images)
+        return pipe, images
+
+    def _rebuild(self) -> None:
+        """After a failed run DALI declares the pipeline invalid: replace it."""
+        old, self._pipe = self._pipe, None
+        _shutdown(old)
+        self._pipe = self._build()
+
+    def _run(self, arrays: list[np.ndarray], augs: list[Augment]) -> Any:
+        """One pipeline run over at most max_batch_size samples; the output as torch."""
+        if self._pipe is None:  # a rebuild after an error failed: try once more
+            self._pipe = self._build()
+        pipe = self._pipe
+        pipe.feed_input("encoded", arrays)
+        if self._preset is not None:
+            pipe.feed_input("anchor", np.array([(a.top, a.left) for a in augs], np.int32))
+            pipe.feed_input("shape", np.array([(a.crop_h, a.crop_w) for a in augs], np.int32))
+            pipe.feed_input("mirror", np.array([a.flip for a in augs], np.int32))
+        if self._gpu:
+            # GPU-only: outputs are ordered on torch's current stream (no host sync here);
+            # from_dlpack below hands that stream to DALI in __dlpack__.
+            (out,) = pipe.run(torch.cuda.current_stream(self.device))
+        else:
+            (out,) = pipe.run()
+        if self._preset is None:
+            return [from_dlpack(out[i]) for i in range(len(out))]
+        if out.is_dense_tensor():
+            return from_dlpack(out.as_tensor())  # zero-copy, CPU or GPU
+        return torch.stack([from_dlpack(out[i]) for i in range(len(out))])
+
+    def _run_isolating(
+        self,
+        positions: list[int],
+        arrays: list[np.ndarray],
+        augs: list[Augment],
+        fail: Callable[[int, str], None],
+    ) -> list[tuple[list[int], Any]]:
+        """Runs ``positions``; if DALI fails, halves the batch until each bad one is found.
+
+        Returns the decoded pieces in input order as (positions, output); ``fail`` is told of
+        each bad sample (it raises under ``on_error="raise"``).
+        """
+        try:
+            return [(positions, self._run(arrays, augs))]
+        except RuntimeError as e:
+            if not _is_data_error(e):
+                self._rebuild()
+                raise
+            self._rebuild()
+            if len(positions) == 1:
+                fail(positions[0], f"DALI could not decode it ({_dali_reason(e)})")
+                return []
+        half = len(positions) // 2
+        return self._run_isolating(
+            positions[:half], arrays[:half], augs[:half], fail
+        ) + self._run_isolating(positions[half:], arrays[half:], augs[half:], fail)
+
+    # -- the Decoder protocol -----------------------------------------------------------------
+
+    def decode(
+        self,
+        encoded: Sequence[bytes | memoryview],
+        *,
+        indices: Sequence[int],
+        epoch: int = 0,
+        names: Sequence[str] | None = None,
+    ) -> DecodedBatch:
+        """Decodes one batch (any size; see ``batch_size_hint``).
+
+        Presets give one float32 tensor (N, 3, size, size) (NHWC with ``layout="NHWC"``);
+        ``transform=None`` a list of uint8 (3, H, W) tensors ((H, W, 3) with NHWC); a callable
+        transform a list of what it returns for each uint8 (3, H, W) image. Images are on
+        ``self.device``. Bad samples raise :class:`DecodeError` naming them, or are left out
+        and listed in ``skipped`` with ``on_error="skip"``.
+        """
+        n = len(encoded)
+        if len(indices) != n:
+            raise ValueError(f"got {n} samples but {len(indices)} indices")
+        if names is not None and len(names) != n:
+            raise ValueError(f"got {n} samples but {len(names)} names")
+        skipped: list[tuple[int, str]] = []
+
+        def fail(i: int, reason: str) -> None:
+            if self.config.on_error == "raise":
+                raise DecodeError(
+                    f"{sample_name(names, indices, i)} cannot be decoded: {reason}. Check or "
+                    "re-fetch that file, or pass on_error='skip' to leave such samples out"
+                )
+            skipped.append((i, reason))
+
+        with self._lock:
+            if self._closed:
+                raise ValueError("this DALIDecoder is closed")
+            if os.getpid() != self._pid:
+                raise RuntimeError(
+                    f"this DALIDecoder was made in process {self._pid} and cannot run in a "
+                    f"forked child ({os.getpid()}, e.g. a DataLoader worker): its pipeline's "
+                    "threads did not survive the fork. Decode in the main process"
+                )
+            positions: list[int] = []
+            arrays: list[np.ndarray] = []
+            augs: list[Augment] = []
+            for i, data in enumerate(encoded):
+                try:
+                    size = _check_header(data, need_size=self._preset is not None)
+                except ValueError as e:
+                    fail(i, str(e))
+                    continue
+                positions.append(i)
+                arrays.append(np.frombuffer(data, dtype=np.uint8))
+                if self._preset is not None and size is not None:
+                    augs.append(
+                        augment_for(
+                            self._preset,
+                            *size,
+                            seed=self.config.seed,
+                            epoch=epoch,
+                            index=int(indices[i]),
+                        )
+                    )
+            pieces: list[tuple[list[int], Any]] = []
+            step = self.max_batch_size
+            for start in range(0, len(positions), step):
+                stop = start + step
+                pieces += self._run_isolating(
+                    positions[start:stop], arrays[start:stop], augs[start:stop], fail
+                )
+        skipped.sort()
+        kept = [p for piece_positions, _ in pieces for p in piece_positions]
+        if self._preset is not None:
+            outputs = [out for _, out in pieces]
+            if len(outputs) == 1:
+                images: Any = outputs[0]
+            elif outputs:
+                images = torch.cat(outputs)
+            else:
+                side = self._preset.size
+                shape = (0, 3, side, side) if self.config.layout == "NCHW" else (0, side, side, 3)
+                images = torch.empty(shape, dtype=torch.float32, device=self.device)
+            return DecodedBatch(images=images, kept=kept, skipped=skipped)
+        image_list: list[torch.Tensor] = [img for _, out in pieces for img in out]
+        if self._callable is not None:
+            image_list = [self._callable(img) for img in image_list]
+        return DecodedBatch(images=image_list, kept=kept, skipped=skipped)
+
+    def close(self) -> None:
+        """Stops the pipeline's threads and frees its buffers; safe to call twice.
+
+        Tensors already returned stay valid (they hold their own reference to the memory).
+        """
+        with self._lock:
+            self._closed = True
+            pipe, self._pipe = self._pipe, None
+        if os.getpid() != self._pid:
+            # A forked child: shutting down (even garbage-collecting) the parent's pipeline
+            # waits forever on threads that were not copied. Keep it alive, untouched.
+            _INHERITED.append(pipe)
+            return
+        _shutdown(pipe)
+
+    def __getstate__(self) -> object:
+        raise TypeError(
+            "a DALIDecoder cannot be sent to another process: make it in the process that "
+            "decodes (the main one, never a DataLoader worker)"
+        )
+
+    def __enter__(self) -> DALIDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"max_batch_size={self.max_batch_size}"
+        return f"DALIDecoder(device={str(self.device)!r}, {state})"
+
+
+_INHERITED: list[Any] = []  # pipelines a forked child must never shut down (see close)
+
+
+def _shutdown(pipe: Any) -> None:
+    """Stops a pipeline now rather than when it is garbage collected.
+
+    DALI has no public close; ``Pipeline.__del__`` calls ``_shutdown``, which is what we call.
+    """
+    if pipe is None:
+        return
+    shutdown = getattr(pipe, "_shutdown", None)
+    if callable(shutdown):
+        shutdown()
