@@ -20,13 +20,11 @@ import numpy.typing as npt
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
-pytest.importorskip("simplejpeg")
-Image = pytest.importorskip("PIL.Image")
-
-from fastload.decode.base import DecodeConfig, DecodeError  # noqa: E402
-from fastload.decode.cpu import CPUDecoder, decode_rgb  # noqa: E402
-from fastload.decode.params import EvalPreset, TrainPreset, augment_for  # noqa: E402
+from fastload.decode.base import DecodeConfig, DecodeError
+from fastload.decode.cpu import CPUDecoder, decode_rgb
+from fastload.decode.params import EvalPreset, TrainPreset, augment_for
 
 U8 = npt.NDArray[np.uint8]
 MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
