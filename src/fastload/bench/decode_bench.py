@@ -24,15 +24,22 @@ Systems (:func:`systems`; a peer joins by adding an entry there):
 * ``torch DataLoader + Pillow`` (the reference of every ratio): ``workers`` DataLoader
   processes, Pillow decoding, and hand-written torch equivalents of RandomResizedCrop
   (torchvision's parameter draw), flip and normalize on float32, or Resize + CenterCrop with
-  torchvision's rounding. torchvision itself cannot be used here (its wheels need a matching
-  torch build, and this environment's torch has none), so this stands in for the canonical
-  ``torchvision.datasets.ImageFolder`` + transforms pipeline.
+  torchvision's rounding. torchvision itself cannot be used here (no torchvision build works
+  with this environment's torch 2.13), so this stands in for the canonical
+  ``torchvision.datasets.ImageFolder`` + transforms pipeline; it resizes on float32 tensors
+  where torchvision v1 resizes PIL images.
 * ``simplejpeg + torch ops, DataLoader``: the same torch ops after simplejpeg's decode, in
   ``workers`` DataLoader processes (TARGETS.md's "simplejpeg + torch ops" peer).
 * ``simplejpeg + torch ops, plain loop``: the same in the calling thread, one image at a time.
 
 NVIDIA DALI's CPU pipeline is to be added as a peer (issue #5) by appending to
-:func:`systems`.
+:func:`systems`. DataLoader workers start from a forkserver, not forked from this process
+(whose other systems' threads may be running).
+
+A third case times the JPEG decoders alone on one thread, over 500 of the files in memory
+(ratios to Pillow): Pillow, Pillow with ``draft()`` at 1/2, simplejpeg, simplejpeg at 1/2,
+and, where ``opencv-python-headless`` is installed, ``cv2.imdecode`` full and
+``IMREAD_REDUCED_COLOR_2``. It is why the CPU backend decodes with simplejpeg.
 
 Command (full size: 3,000 images, median of 3)::
 
@@ -295,8 +302,7 @@ def _dataloader(
         batch_size=batch_size,
         num_workers=workers,
         persistent_workers=True,
-        # Not forked from this process, whose other systems' threads may be running.
-        multiprocessing_context="forkserver",
+        multiprocessing_context="forkserver",  # see the module docstring
     )
     try:
 
