@@ -8,6 +8,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from fastload import decode
 from fastload.datasets import open_dataset
 from fastload.errors import (
     FastloadError,
@@ -62,6 +63,7 @@ __all__ = [
     "WarmReport",
     "__version__",
     "aligned_empty",
+    "decode",
     "native_available",
     "native_status",
     "open_dataset",

@@ -171,13 +171,14 @@ def _bench(args: argparse.Namespace) -> int:
             "'fastload bench URL' (a user's own dataset) is not available yet (issue #7); "
             "run 'fastload bench' without a URL for the built-in benchmark"
         )
-    from fastload.bench import policy_bench, read_bench, stage_bench
+    from fastload.bench import decode_bench, policy_bench, read_bench, stage_bench
 
     quick, out = args.quick, Path(args.out)
     data = out / "data"
     read = read_bench.ReadBenchConfig.quick() if quick else read_bench.ReadBenchConfig()
     stage = stage_bench.StageBenchConfig.quick() if quick else stage_bench.StageBenchConfig()
     policy = policy_bench.PolicyBenchConfig.quick() if quick else policy_bench.PolicyBenchConfig()
+    decode = decode_bench.DecodeBenchConfig.quick() if quick else decode_bench.DecodeBenchConfig()
     benchmarks: list[tuple[str, Path, Callable[[Path], Report]]] = [
         ("reading cached bytes", data, lambda d: read_bench.run(d, read)),
         ("staging from a remote over HTTP", data / "stage", lambda d: stage_bench.run(d, stage)),
@@ -185,6 +186,11 @@ def _bench(args: argparse.Namespace) -> int:
             "cache policies on a shuffled dataset twice the budget",
             data / "policy",
             lambda d: policy_bench.run(d, policy),
+        ),
+        (
+            "decoding JPEGs with the train and eval presets",
+            data / "decode",
+            lambda d: decode_bench.run(d, decode),
         ),
     ]
     for title, where, run in benchmarks:
