@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -498,3 +499,17 @@ def test_gpu_pipeline_matches_the_cpu_pipeline(images) -> None:
     for data, img in zip(images, batch.images, strict=False):
         assert img.device.type == "cuda"
         assert float((img.cpu().float() - pillow_rgb(data).float()).abs().mean()) < 1.0
+
+
+def test_decode_benchmark_runs_the_dali_peers(tmp_path: Path) -> None:
+    from fastload.bench import decode_bench
+
+    peers = ("fastload DALI backend, CPU graph", "DALI's own CPU pipeline")
+    config = decode_bench.DecodeBenchConfig(
+        images=10, batch_size=4, size=32, repeats=1, decoders=False, systems=peers
+    )
+    report = decode_bench.run(tmp_path, config)
+    assert {(r.case.split()[0], r.system) for r in report.rows} == {
+        (preset, peer) for preset in ("train", "eval") for peer in peers
+    }
+    assert all(r.items == 10 for r in report.rows)

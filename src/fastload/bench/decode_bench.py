@@ -49,6 +49,7 @@ Command (full size: 3,000 images, median of 3)::
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import io
 import math
 import os
@@ -348,17 +349,92 @@ def _plain_loop(work: Workload) -> Iterator[EpochFn]:
     yield epoch
 
 
+@contextmanager
+def _fastload_dali(work: Workload) -> Iterator[EpochFn]:
+    from fastload.decode.dali import DALIDecoder
+
+    config = DecodeConfig(transform=work.preset, num_threads=work.workers)
+    with DALIDecoder(config, batch_size_hint=work.batch_size) as decoder:
+
+        def epoch(e: int) -> int:
+            done = 0
+            for start in range(0, len(work.paths), work.batch_size):
+                chunk = work.paths[start : start + work.batch_size]
+                data = [p.read_bytes() for p in chunk]
+                indices = range(start, start + len(chunk))
+                done += len(decoder.decode(data, indices=indices, epoch=e).images)
+            return done
+
+        yield epoch
+
+
+@contextmanager
+def _dali_own_pipeline(work: Workload) -> Iterator[EpochFn]:
+    """DALI as its users write it: its file reader, its random crop, its resize."""
+    dali: Any = importlib.import_module("nvidia.dali")  # untyped at this boundary
+    fn, types = dali.fn, dali.types
+
+    preset = work.preset
+    mean = [255 * m for m in preset.mean]
+    std = [255 * s for s in preset.std]
+
+    @dali.pipeline_def  # type: ignore[untyped-decorator]
+    def pipeline() -> Any:
+        jpegs, _ = fn.readers.file(files=[str(p) for p in work.paths], name="reader")
+        if isinstance(preset, TrainPreset):
+            images = fn.decoders.image_random_crop(
+                jpegs,
+                device="cpu",
+                random_area=list(preset.scale),
+                random_aspect_ratio=list(preset.ratio),
+            )
+            images = fn.resize(images, resize_x=preset.size, resize_y=preset.size)
+            mirror = fn.random.coin_flip(probability=preset.flip_p)
+            crop: tuple[int, ...] = ()
+        else:
+            images = fn.decoders.image(jpegs, device="cpu")
+            images = fn.resize(images, resize_shorter=preset.resize)
+            mirror, crop = 0, (preset.size, preset.size)
+        return fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            crop=crop or None,
+            mean=mean,
+            std=std,
+            mirror=mirror,
+        )
+
+    pipe = pipeline(batch_size=work.batch_size, num_threads=work.workers, device_id=None, seed=0)
+    pipe.build()
+    iterations = -(-len(work.paths) // work.batch_size)
+
+    def epoch(e: int) -> int:
+        done = 0
+        for _ in range(iterations):
+            (out,) = pipe.run()
+            done += len(out)
+        return min(done, len(work.paths))  # the reader pads its last batch
+
+    yield epoch
+
+
 def systems() -> list[System]:
     """Every system measured, fastload first; a peer joins by appending here."""
-    return [
+    found = [
         System("fastload CPU", _fastload_threads, "threads, DCT-scaled decode"),
         System("fastload CPU, DCT scaling off", _fastload_no_dct, "threads"),
         System("fastload CPU in DataLoader processes", _fastload_processes, "1 thread each"),
         System(REFERENCE, _dataloader_pillow, "float32 torch ops"),
         System("simplejpeg + torch ops, DataLoader", _dataloader_simplejpeg, "float32 torch ops"),
         System("simplejpeg + torch ops, plain loop", _plain_loop, "1 process"),
-        # NVIDIA DALI's CPU pipeline (decoders.image_random_crop) joins here: issue #5.
     ]
+    if importlib.util.find_spec("nvidia") and importlib.util.find_spec("nvidia.dali"):
+        found += [
+            System("fastload DALI backend, CPU graph", _fastload_dali, "image_slice of our boxes"),
+            System("DALI's own CPU pipeline", _dali_own_pipeline, "readers.file + its random crop"),
+        ]
+    return found
 
 
 # --- run --------------------------------------------------------------------------------------
