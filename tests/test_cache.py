@@ -256,3 +256,13 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path: Path) 
 def test_bad_settings_are_refused(tmp_path: Path, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         Cache(tmp_path, **kwargs)
+
+
+def test_use_with_a_version_misses_on_another_version(tmp_path: Path) -> None:
+    with Cache(tmp_path) as cache:
+        put(cache, "s3://b/a", b"old", version="etag1")
+        with cache.use("s3://b/a", version="etag2") as held:
+            assert held is None
+        with cache.use("s3://b/a", version="etag1") as held:
+            assert held is not None
+            assert held.read_bytes() == b"old"

@@ -451,20 +451,22 @@ class Cache:
         return path
 
     @contextlib.contextmanager
-    def use(self, url: str) -> Iterator[Path | None]:
-        """Holds url's cached file (or yields None on a miss) so eviction leaves it alone."""
-        fd = self._hold(url)
+    def use(self, url: str, *, version: str | None = None) -> Iterator[Path | None]:
+        """Holds url's cached file (or yields None on a miss, or when ``version`` is given and
+        the cached copy is another version) so eviction leaves it alone."""
+        fd = self._hold(url, version)
         try:
             yield None if fd is None else self.path_for(url)
         finally:
             if fd is not None:
                 os.close(fd)
 
-    def _hold(self, url: str) -> int | None:
+    def _hold(self, url: str, version: str | None = None) -> int | None:
         """A descriptor with a shared flock on url's current file, or None on a miss."""
         path = self.path_for(url)
         for _ in range(3):  # the file can be replaced or evicted between lookup and lock
-            if self.entry(url) is None:
+            entry = self.entry(url)
+            if entry is None or (version is not None and entry.version != version):
                 return None
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -131,8 +131,8 @@ class CachedStore:
         obj = self.object(key)
         url = self.manifest.object_url(obj)
         for _ in range(3):  # a cached copy can be evicted between staging and reading
-            with self.cache.use(url) as path:
-                if path is not None and self._current(url, obj):
+            with self.cache.use(url, version=obj.version) as path:
+                if path is not None:
                     return _pread(path, offset, length)
             (result,) = self.stager.stage([obj])
             if result.outcome == "failed":
@@ -143,10 +143,6 @@ class CachedStore:
 
     def read_many(self, requests: Iterable[tuple[str, int, int | None]]) -> list[bytes]:
         return [self.read(k, o, n) for k, o, n in requests]
-
-    def _current(self, url: str, obj: RemoteObject) -> bool:
-        entry = self.cache.entry(url)
-        return entry is not None and entry.version == obj.version
 
     def _read_remote(self, obj: RemoteObject, offset: int, length: int | None) -> bytes:
         stager = self.stager

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 import torch.utils.data
 
 from fastload.bench.runner import Measurement, Report, relate
-from fastload.decode.base import DecodeConfig
+from fastload.decode.base import DecodeConfig, Decoder
 from fastload.decode.cpu import CPUDecoder, decode_rgb
 from fastload.decode.params import EvalPreset, TrainPreset
 
@@ -273,21 +273,26 @@ class System:
     note: str = ""
 
 
+def _decoder_epochs(work: Workload, decoder: Decoder) -> EpochFn:
+    """One epoch through a fastload decoder: read a batch's files, decode them."""
+
+    def epoch(e: int) -> int:
+        done = 0
+        for start in range(0, len(work.paths), work.batch_size):
+            chunk = work.paths[start : start + work.batch_size]
+            data = [p.read_bytes() for p in chunk]
+            indices = range(start, start + len(chunk))
+            done += len(decoder.decode(data, indices=indices, epoch=e).images)
+        return done
+
+    return epoch
+
+
 @contextmanager
 def _fastload_threads(work: Workload, *, dct_scaling: bool = True) -> Iterator[EpochFn]:
     config = DecodeConfig(transform=work.preset, num_threads=work.workers)
     with CPUDecoder(config, dct_scaling=dct_scaling) as decoder:
-
-        def epoch(e: int) -> int:
-            done = 0
-            for start in range(0, len(work.paths), work.batch_size):
-                chunk = work.paths[start : start + work.batch_size]
-                data = [p.read_bytes() for p in chunk]
-                indices = range(start, start + len(chunk))
-                done += len(decoder.decode(data, indices=indices, epoch=e).images)
-            return done
-
-        yield epoch
+        yield _decoder_epochs(work, decoder)
 
 
 def _fastload_no_dct(work: Workload) -> AbstractContextManager[EpochFn]:
@@ -355,17 +360,7 @@ def _fastload_dali(work: Workload) -> Iterator[EpochFn]:
 
     config = DecodeConfig(transform=work.preset, num_threads=work.workers)
     with DALIDecoder(config, batch_size_hint=work.batch_size) as decoder:
-
-        def epoch(e: int) -> int:
-            done = 0
-            for start in range(0, len(work.paths), work.batch_size):
-                chunk = work.paths[start : start + work.batch_size]
-                data = [p.read_bytes() for p in chunk]
-                indices = range(start, start + len(chunk))
-                done += len(decoder.decode(data, indices=indices, epoch=e).images)
-            return done
-
-        yield epoch
+        yield _decoder_epochs(work, decoder)
 
 
 @contextmanager
