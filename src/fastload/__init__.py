@@ -28,6 +28,7 @@ from fastload.reader import (
 from fastload.warm import NodeShare, WarmReport, warm
 
 if TYPE_CHECKING:
+    from fastload.loader import DataLoader
     from fastload.sampler import ShardedSampler
 
 
@@ -37,6 +38,10 @@ def __getattr__(name: str) -> Any:
         from fastload.sampler import ShardedSampler
 
         return ShardedSampler
+    if name == "DataLoader":
+        from fastload.loader import DataLoader
+
+        return DataLoader
     raise AttributeError(f"module 'fastload' has no attribute {name!r}")
 
 
@@ -47,6 +52,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "BatchReader",
+    "DataLoader",
     "FastloadError",
     "InvalidDestinationError",
     "NodeShare",

@@ -215,6 +215,10 @@ class ShardedSampler(Sampler[int]):
             return self._base
         return self.plan.resume_state(self.epoch)
 
+    def upcoming_state(self) -> ResumeState:
+        """Where the next ``iter()`` starts: the loaded state, else the epoch's beginning."""
+        return self._pending if self._pending is not None else self.plan.resume_state(self.epoch)
+
     def __len__(self) -> int:
         """Indices the current iteration yields in all, or the next one if none is running."""
         start = self._next_start()
@@ -223,7 +227,7 @@ class ShardedSampler(Sampler[int]):
         )
 
     def __iter__(self) -> Iterator[int]:
-        start = self._pending if self._pending is not None else self.plan.resume_state(self.epoch)
+        start = self.upcoming_state()
         self._pending = None
         order = self.plan.rank_order(
             self.epoch,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from fastload.errors import FastloadError
 from fastload.store import CachedStore
+
+Range: TypeAlias = tuple[str, int, int]  # (object key, offset, length)
 
 
 class DatasetError(FastloadError, ValueError):
@@ -60,7 +62,31 @@ class ShardedDataset:
         return self._load(self._check(int(index)))
 
     def _load(self, index: int) -> Any:
-        raise NotImplementedError
+        ranges = self.sample_ranges(index)
+        if ranges is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement _load")
+        return self.assemble(index, [self.read_range(*r) for r in ranges])
+
+    def sample_ranges(self, index: int) -> list[Range] | None:
+        """The byte ranges sample ``index`` is made of, in order, for readers that fetch the
+        bytes themselves (``fl.DataLoader`` reads them natively, many samples per call);
+        None where the format does not map samples to plain byte ranges (Zarr)."""
+        return None
+
+    def assemble(self, index: int, parts: Sequence[bytes | memoryview]) -> Any:
+        """Sample ``index`` from the bytes of its ``sample_ranges`` (the same value
+        ``dataset[index]`` returns)."""
+        raise NotImplementedError(f"{type(self).__name__} has no byte ranges to assemble")
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        data = self.store.read(key, offset, length)
+        if len(data) != length:
+            raise DatasetError(
+                f"{self.store.object_url(key)}: read {len(data)} bytes at offset {offset}, "
+                f"expected {length}; the object changed since the dataset was opened: open "
+                "it again with refresh=True"
+            )
+        return data
 
     def warm(self, shards: Sequence[int] | None = None) -> None:
         """Stages the given shards (all by default) into the cache now, in that order."""

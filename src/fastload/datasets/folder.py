@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Sequence
 from typing import Any
 
-from fastload.datasets.base import DatasetError, ShardedDataset
+from fastload.datasets.base import DatasetError, Range, ShardedDataset
 from fastload.store import CachedStore
 
 # torchvision's IMG_EXTENSIONS: the files ImageFolder takes as samples.
@@ -35,6 +36,14 @@ class FileDataset(ShardedDataset):
 
     def _load(self, index: int) -> Any:
         return self.store.read(self.keys[index])
+
+    def sample_ranges(self, index: int) -> list[Range] | None:
+        key = self.keys[index]
+        size = self.store.object(key).size
+        return None if size is None else [(key, 0, size)]
+
+    def assemble(self, index: int, parts: Sequence[bytes | memoryview]) -> Any:
+        return bytes(parts[0])
 
 
 class ImageFolderDataset(FileDataset):
@@ -69,3 +78,6 @@ class ImageFolderDataset(FileDataset):
 
     def _load(self, index: int) -> Any:
         return self.store.read(self.keys[index]), self.targets[index]
+
+    def assemble(self, index: int, parts: Sequence[bytes | memoryview]) -> Any:
+        return bytes(parts[0]), self.targets[index]

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
-from fastload.datasets.base import DatasetError, ShardedDataset
+from fastload.datasets.base import DatasetError, Range, ShardedDataset
 from fastload.store import CachedStore
 
 log = logging.getLogger(__name__)
@@ -107,35 +107,40 @@ class TarDataset(ShardedDataset):
         s = self.shard_of(index)
         return self._shards[s].keys[index - int(self.shard_offsets[s])]
 
-    def _load(self, index: int) -> Any:
+    def _fields(self, index: int) -> tuple[str, str, list[str], list[int], list[int]]:
+        """(shard key, sample key, field names, offsets, sizes) of sample index."""
         s = self.shard_of(index)
-        shard, key = self._shards[s], self.shard_keys[s][0]
+        shard = self._shards[s]
         j = index - int(self.shard_offsets[s])
         lo, hi = int(shard.starts[j]), int(shard.starts[j + 1])
         names = [self._field_names[f] for f in shard.field_ids[lo:hi].tolist()]
-        offsets: list[int] = shard.offsets[lo:hi].tolist()
-        sizes: list[int] = shard.sizes[lo:hi].tolist()
-        sample: dict[str, Any] = {"__key__": shard.keys[j], "__shard__": key}
+        return (
+            self.shard_keys[s][0],
+            shard.keys[j],
+            names,
+            shard.offsets[lo:hi].tolist(),
+            (shard.sizes[lo:hi].tolist()),
+        )
+
+    def sample_ranges(self, index: int) -> list[Range] | None:
+        key, _, _, offsets, sizes = self._fields(index)
         start = min(offsets)
         end = max(o + n for o, n in zip(offsets, sizes, strict=True))
         if end - start <= sum(sizes) + _MAX_GAP_BYTES:  # the usual case: fields side by side
-            blob = self._read(key, start, end - start)
-            for name, o, n in zip(names, offsets, sizes, strict=True):
-                sample[name] = blob[o - start : o - start + n]
-        else:
-            for name, o, n in zip(names, offsets, sizes, strict=True):
-                sample[name] = self._read(key, o, n)
-        return sample
+            return [(key, start, end - start)]
+        return [(key, o, n) for o, n in zip(offsets, sizes, strict=True)]
 
-    def _read(self, key: str, offset: int, length: int) -> bytes:
-        data = self.store.read(key, offset, length)
-        if len(data) != length:
-            raise DatasetError(
-                f"{self.store.object_url(key)}: read {len(data)} bytes at offset {offset}, "
-                f"expected {length}; the shard changed since it was indexed: open the dataset "
-                "again with refresh=True"
-            )
-        return data
+    def assemble(self, index: int, parts: Sequence[bytes | memoryview]) -> Any:
+        key, sample_key, names, offsets, sizes = self._fields(index)
+        sample: dict[str, Any] = {"__key__": sample_key, "__shard__": key}
+        if len(parts) == 1:  # one range spanning every field
+            start = min(offsets)
+            for name, o, n in zip(names, offsets, sizes, strict=True):
+                sample[name] = bytes(parts[0][o - start : o - start + n])
+        else:
+            for name, part in zip(names, parts, strict=True):
+                sample[name] = bytes(part)
+        return sample
 
     # --- grouping --------------------------------------------------------------------------
 

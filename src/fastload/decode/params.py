@@ -10,7 +10,7 @@ eval preset is Resize(shorter side) then CenterCrop.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
 
@@ -18,11 +18,12 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class TrainPreset:
     """RandomResizedCrop(size, scale, ratio) + horizontal flip + normalize, to float32."""
 
     size: int = 224
+    _: KW_ONLY
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip_p: float = 0.5
@@ -40,16 +41,20 @@ class TrainPreset:
             raise ValueError(f"flip_p must be within [0, 1], got {self.flip_p}")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class EvalPreset:
-    """Resize the shorter side to ``resize``, center crop ``size``, normalize, to float32."""
+    """Resize the shorter side to ``resize`` (default: 8/7 of size, 256 for 224), center
+    crop ``size``, normalize, to float32."""
 
-    resize: int = 256
     size: int = 224
+    resize: int = None  # type: ignore[assignment]  # set from size when not given
+    _: KW_ONLY
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
 
     def __post_init__(self) -> None:
+        if self.resize is None:
+            object.__setattr__(self, "resize", round(self.size * 8 / 7))
         if not 0 < self.size <= self.resize:
             raise ValueError(f"need 0 < size <= resize, got size={self.size}, resize={self.resize}")
 

@@ -1,0 +1,271 @@
+"""Builds the batches of a fastload dataset: stage → native read → decode → collate.
+
+Samples whose bytes are plain ranges of cached objects (file folders, tar shards) are read
+many at a time by the native reader into a page-aligned buffer of the calling thread; the
+rest (Zarr rows, samples whose object is not cached) go through ``dataset[index]``, which
+reads through the cache and fetches what is missing. With ``decode``, an image dataset's
+batch is ``(images, labels)`` (``images`` alone for a folder without classes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from fastload.datasets.base import Range, ShardedDataset
+from fastload.datasets.folder import FileDataset, ImageFolderDataset
+from fastload.datasets.tar import TarDataset
+from fastload.decode import DecodeError, Decoder
+from fastload.errors import FastloadError
+from fastload.loader.stats import LoaderStats
+from fastload.reader import BatchReader, aligned_empty
+
+# Tar fields taken as the image / the label when decoding (WebDataset's usual names).
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
+LABEL_FIELDS = ("cls", "label", "target", "class")
+
+
+def decodable(dataset: object) -> bool:
+    return isinstance(dataset, FileDataset | TarDataset)
+
+
+def _noted(error: BaseException, stage: str) -> BaseException:
+    error._fastload_stage = stage  # type: ignore[attr-defined]
+    return error
+
+
+class _ThreadBuffers(threading.local):
+    reader: BatchReader | None = None
+    buffer: Any = None
+
+
+class BatchBuilder:
+    """``load(indices, epoch)`` → one batch; ``stage(batches)`` fetches their shards ahead."""
+
+    def __init__(
+        self,
+        dataset: ShardedDataset,
+        *,
+        collate_fn: Callable[[Any], Any] | None,
+        batched: bool,
+        decoder: Decoder | None,
+        stats: LoaderStats,
+        on_device: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.default_collate = collate_fn is None or collate_fn is default_collate
+        self.batched = batched
+        self.decoder = decoder
+        self.stats = stats
+        self.on_device = on_device
+        self._local = _ThreadBuffers()
+        self._staged: dict[str, None] = {}  # recently staged keys (insertion-ordered, bounded)
+
+    # --- staging ahead -----------------------------------------------------------------------
+
+    def stage(self, batches: Sequence[Any]) -> None:
+        ds = self.dataset
+        keys: dict[str, None] = {}
+        for batch in batches:
+            for index in batch if self.batched else [batch]:
+                for key in ds.shard_keys[ds.shard_of(int(index))]:
+                    if key not in self._staged:
+                        keys[key] = None
+        if not keys:
+            return
+        results = ds.store.stage(list(keys))
+        for key in keys:
+            self._staged[key] = None
+        while len(self._staged) > 65536:  # forget the oldest: only a repeat filter
+            del self._staged[next(iter(self._staged))]
+        for r in results:
+            if r.outcome == "cached":
+                self.stats.count("cache_hits")
+            elif r.outcome == "fetched":
+                self.stats.count("cache_misses")
+                self.stats.count("bytes_fetched", r.nbytes)
+            else:
+                self.stats.count(f"stage_{r.outcome}")
+
+    # --- one batch ---------------------------------------------------------------------------
+
+    def load(self, item: Any, epoch: int) -> Any:
+        indices = [int(i) for i in item] if self.batched else [int(item)]
+        with self.stats.timed("read", len(indices)):
+            try:
+                samples, parts = self._read(indices)
+            except BaseException as e:
+                raise _noted(e, "read") from None
+        if self.decoder is not None:
+            start = time.perf_counter()
+            try:
+                batch = self._decode(indices, samples, parts, epoch)
+            except BaseException as e:
+                raise _noted(e, "decode") from None
+            self.stats.add("decode", time.perf_counter() - start, len(indices))
+        else:
+            with self.stats.timed("collate"):
+                try:
+                    batch = self._collate(samples if self.batched else samples[0])
+                except BaseException as e:
+                    raise _noted(e, "collate") from None
+        self.stats.count("samples", len(indices))
+        self.stats.count("batches")
+        if self.on_device is not None:
+            with self.stats.timed("transfer"):
+                try:
+                    batch = self.on_device(batch)
+                except BaseException as e:
+                    raise _noted(e, "transfer") from None
+        return batch
+
+    def _collate(self, samples: Any) -> Any:
+        if self.collate_fn is not None:
+            return self.collate_fn(samples)
+        return default_collate(samples)
+
+    def _read(self, indices: list[int]) -> tuple[list[Any], list[list[memoryview] | None]]:
+        """Each sample (as ``dataset[index]`` gives it) and, for natively read ones, the
+        views of its bytes in this thread's buffer (valid until its next read)."""
+        ds = self.dataset
+        ranges: list[list[Range] | None] = [ds.sample_ranges(i) for i in indices]
+        paths: dict[str, str | None] = {}
+        for rs in ranges:
+            for key, _, _ in rs or ():
+                if key not in paths:
+                    local = ds.store.local_path(key)
+                    paths[key] = None if local is None else str(local)
+        native = [rs is not None and all(paths[k] is not None for k, _, _ in rs) for rs in ranges]
+        parts: list[list[memoryview] | None] = [None] * len(indices)
+        if any(native):
+            try:
+                parts = self._read_native(ranges, native, paths)
+            except (OSError, FastloadError):
+                # Evicted between lookup and read, or changed: the cache path copes.
+                self.stats.count("native_read_fallbacks")
+                native = [False] * len(indices)
+                parts = [None] * len(indices)
+        samples: list[Any] = []
+        for i, index in enumerate(indices):
+            if native[i]:
+                samples.append(ds.assemble(index, parts[i] or []))
+            else:
+                self.stats.count("cache_reads")
+                samples.append(ds[index])
+        return samples, parts
+
+    def _read_native(
+        self,
+        ranges: list[list[Range] | None],
+        native: list[bool],
+        paths: dict[str, str | None],
+    ) -> list[list[memoryview] | None]:
+        total = sum(n for rs, ok in zip(ranges, native, strict=True) if ok for _, _, n in rs or ())
+        local = self._local
+        if local.reader is None:
+            local.reader = BatchReader(num_threads=2)
+        if local.buffer is None or local.buffer.nbytes < total:
+            local.buffer = aligned_empty(max(total, 1 << 20) * 5 // 4)
+        buffer = local.buffer
+        requests = []
+        where: list[list[tuple[int, int]] | None] = []
+        at = 0
+        for rs, ok in zip(ranges, native, strict=True):
+            if not ok or rs is None:
+                where.append(None)
+                continue
+            spans = []
+            for key, offset, length in rs:
+                requests.append((paths[key], offset, length, buffer, at))
+                spans.append((at, length))
+                at += length
+            where.append(spans)
+        local.reader.read(requests, exact=True)
+        self.stats.count("bytes_read", at)
+        view = memoryview(buffer)
+        return [None if spans is None else [view[a : a + n] for a, n in spans] for spans in where]
+
+    # --- decode ------------------------------------------------------------------------------
+
+    def _split(self, sample: Any, index: int) -> tuple[Any, Any]:
+        """(encoded image, label or None) of one sample."""
+        ds = self.dataset
+        if isinstance(ds, ImageFolderDataset):
+            return sample[0], sample[1]
+        if isinstance(ds, TarDataset):
+            image = next((sample[f] for f in IMAGE_FIELDS if f in sample), None)
+            if image is None:
+                where = ds.store.object_url(sample["__shard__"])
+                raise DecodeError(
+                    f"sample {index} ({sample['__key__']} in {where}) has no image field"
+                    f" ({', '.join(IMAGE_FIELDS)}); its fields are "
+                    f"{', '.join(k for k in sample if not k.startswith('__'))}"
+                )
+            label = next((sample[f] for f in LABEL_FIELDS if f in sample), None)
+            if isinstance(label, bytes | bytearray):
+                text = label.decode("utf-8", "replace").strip()
+                label = int(text) if text.lstrip("-").isdigit() else text
+            return image, label
+        return sample, None
+
+    def _names(self, indices: list[int]) -> list[str]:
+        ds = self.dataset
+        if isinstance(ds, FileDataset):
+            return [ds.store.object_url(ds.keys[i]) for i in indices]
+        if isinstance(ds, TarDataset):
+            return [
+                f"{ds.key(i)} in {ds.store.object_url(ds.shard_keys[ds.shard_of(i)][0])}"
+                for i in indices
+            ]
+        return [f"{ds.store.url}[{i}]" for i in indices]
+
+    def _decode(
+        self,
+        indices: list[int],
+        samples: list[Any],
+        parts: list[list[memoryview] | None],
+        epoch: int,
+    ) -> Any:
+        assert self.decoder is not None
+        pairs = [self._split(s, i) for s, i in zip(samples, indices, strict=True)]
+        encoded = [p[0] for p in pairs]
+        labels = [p[1] for p in pairs]
+        decoded = self.decoder.decode(
+            encoded, indices=indices, epoch=epoch, names=self._names(indices)
+        )
+        images, kept = decoded.images, decoded.kept
+        if decoded.skipped:
+            self.stats.skipped([reason for _, reason in decoded.skipped])
+            if not kept:
+                raise DecodeError(
+                    f"every sample of a batch failed to decode (samples {indices[:8]}...): "
+                    f"{decoded.skipped[0][1]}"
+                )
+            # Full-sized batches: the places of bad samples go to good ones of the batch.
+            row = {pos: r for r, pos in enumerate(kept)}
+            spare = itertools.cycle(range(len(kept)))
+            order = [row[pos] if pos in row else next(spare) for pos in range(len(indices))]
+            if isinstance(images, torch.Tensor):
+                images = images[order]
+            else:
+                images = [images[r] for r in order]
+            labels = [labels[kept[r]] for r in order]
+        has_labels = any(label is not None for label in labels)
+        if not self.batched:
+            image = images[0]
+            return (image, labels[0]) if has_labels else image
+        if not self.default_collate:
+            per_sample = list(images.unbind(0)) if isinstance(images, torch.Tensor) else images
+            items = list(zip(per_sample, labels, strict=True)) if has_labels else per_sample
+            assert self.collate_fn is not None
+            return self.collate_fn(items)
+        if not has_labels:
+            return images
+        return images, default_collate(labels)

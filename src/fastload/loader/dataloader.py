@@ -1,0 +1,596 @@
+"""``fl.DataLoader``: torch's DataLoader, plus fastload's pipeline, device ring and resume.
+
+It *is* a ``torch.utils.data.DataLoader`` (same arguments, defaults, validation errors and
+attributes, and ``isinstance`` holds), so a training script changes one import. Then:
+
+- a plain torch dataset iterates exactly as with torch (torch does the work), with batches
+  delivered to ``device`` through the pinned ring and an exact ``state_dict()``;
+- a fastload dataset (``fl.open_dataset``) takes the fast path: the plan's order for this
+  rank, shards staged ahead of use, native reads, ``decode``, collate and the device copy
+  on threads (``num_workers`` of them; no worker processes, no CUDA context per worker).
+
+Resume: ``state_dict()`` anywhere mid-epoch; ``load_state_dict()`` makes the next iteration
+deliver the rest of that epoch. Through the plan the rest is exact at any world size or
+number of workers; for other samplers the sampler's random state is replayed and consumed
+batches are skipped without loading them (as torchdata's ``StatefulDataLoader`` does).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import inspect
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils.data as tud
+from torch.utils.data import IterableDataset
+
+from fastload.datasets import open_dataset
+from fastload.datasets.base import ShardedDataset
+from fastload.decode import choose_backend, make_decoder
+from fastload.decode.base import Decoder
+from fastload.loader.batches import BatchBuilder, decodable
+from fastload.loader.pipeline import Pipeline
+from fastload.loader.resume import ResumableIndex, replaying, rng_state
+from fastload.loader.stats import LoaderStats
+from fastload.plan import ResumeState
+from fastload.sampler import ShardedSampler
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+# Bytes of samples staged ahead of the training step, by default.
+DEFAULT_LOOKAHEAD_BYTES = 1 << 30
+# Objects one staging round asks for at most (the stager keeps 64 in flight).
+_STAGE_ROUND_OBJECTS = 512
+_TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(tud.DataLoader.__init__).parameters
+
+_live_iterations: weakref.WeakSet[_Iteration] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for iteration in list(_live_iterations):
+        iteration.close()
+
+
+class DataLoader(tud.DataLoader[Any]):
+    """A drop-in ``torch.utils.data.DataLoader``; see the module docstring.
+
+    Keyword-only extras: ``device`` (batches arrive there), ``decode`` (None: samples as the
+    dataset gives them; "auto"/"dali"/"cpu": decode images, see ``fastload.decode``) with
+    ``transform`` (a preset or a callable) and ``on_error``; ``seed`` (the plan's shuffle
+    and the augmentations); ``rank``/``world_size`` (default: torch.distributed, else
+    torchrun's environment); ``shard`` (None: shard fastload datasets by the plan, leave
+    others as torch would); cache settings used when ``dataset`` is a URL; prefetch depth
+    (``prefetch_batches``), staging look-ahead (``lookahead_bytes``), ring depth
+    (``ring_slots``).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        device: str | torch.device | None = None,
+        decode: str | None = None,
+        transform: Any = None,
+        seed: int = 0,
+        on_error: str = "raise",
+        rank: int | None = None,
+        world_size: int | None = None,
+        shard: bool | None = None,
+        cache_dir: str | None = None,
+        max_bytes: int | None = None,
+        policy: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        prefetch_batches: int | None = None,
+        lookahead_bytes: int | None = None,
+        ring_slots: int | None = None,
+    ) -> None:
+        cache_settings: dict[str, Any] = {
+            "cache_dir": cache_dir,
+            "max_bytes": max_bytes,
+            "policy": policy,
+            "storage_options": storage_options,
+        }
+        if isinstance(dataset, str):
+            dataset = open_dataset(dataset, **{k: v for k, v in cache_settings.items() if v})
+        elif any(v is not None for v in cache_settings.values()):
+            given = ", ".join(k for k, v in cache_settings.items() if v is not None)
+            raise ValueError(
+                f"{given} apply when the loader opens a dataset from a URL; this dataset is "
+                "already open: pass them to fl.open_dataset(url, ...) instead"
+            )
+        fastload_dataset = isinstance(dataset, ShardedDataset)
+        # worker_init_fn and a multiprocessing context ask for worker processes: torch's.
+        fast = fastload_dataset and worker_init_fn is None and multiprocessing_context is None
+        if decode is not None:
+            if not (fast and decodable(dataset)):
+                raise ValueError(
+                    "decode= decodes the images of a fastload file-folder or tar dataset "
+                    "(fl.open_dataset) on fastload's threads; "
+                    + (
+                        "drop worker_init_fn/multiprocessing_context to use it"
+                        if fastload_dataset and decodable(dataset)
+                        else f"{type(dataset).__name__} is not one: decode in the dataset instead"
+                    )
+                )
+            target = "cpu" if device is None else str(torch.device(device))
+            choose_backend(decode, target)  # type: ignore[arg-type]  # raises naming the package
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if shard is None:
+            shard = fastload_dataset
+        plan_sampler: ShardedSampler | None = None
+        if shard and sampler is None and batch_sampler is None:
+            if isinstance(dataset, IterableDataset):
+                raise ValueError(
+                    "shard=True shards a map-style dataset by fastload's plan; an "
+                    "IterableDataset shards itself (get_worker_info, torch.distributed)"
+                )
+            plan_sampler = ShardedSampler(
+                dataset, rank=rank, world_size=world_size, seed=seed, shuffle=bool(shuffle)
+            )
+            sampler, shuffle = plan_sampler, None
+        extra: dict[str, Any] = {}
+        if _TORCH_HAS_IN_ORDER:
+            extra["in_order"] = in_order
+        elif not in_order:
+            raise TypeError("in_order needs torch >= 2.6")
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            **extra,
+        )
+        if prefetch_batches is not None and prefetch_batches < 1:
+            raise ValueError(f"prefetch_batches must be >= 1, got {prefetch_batches}")
+        if ring_slots is not None and ring_slots < 1:
+            raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
+        self.device = None if device is None else torch.device(device)
+        self.decode = decode
+        self.transform = transform
+        self.seed = seed
+        self.on_error = on_error
+        self.prefetch_batches = prefetch_batches
+        self.lookahead_bytes = (
+            DEFAULT_LOOKAHEAD_BYTES if lookahead_bytes is None else lookahead_bytes
+        )
+        self.ring_slots = ring_slots
+        self._fast = fast
+        self._plan_sampler = plan_sampler
+        self._resumable = ResumableIndex(super()._index_sampler, generator)
+        self._epoch = 0
+        self._pending: dict[str, Any] | None = None
+        self._fast_forward = 0  # batches an IterableDataset replays after a resume
+        self._stats = LoaderStats()
+        self._decoder: Decoder | None = None
+        self._builder: BatchBuilder | None = None
+        self._ring: Any = None
+        self._live: weakref.ref[_Iteration] | None = None
+        self._closed = False
+
+    # --- torch's hooks -------------------------------------------------------------------------
+
+    @property
+    def _index_sampler(self) -> Any:
+        resumable = self.__dict__.get("_resumable")
+        return resumable if resumable is not None else super()._index_sampler
+
+    # --- epochs --------------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Selects the epoch (the plan's order and the augmentations); the sampler's
+        ``set_epoch`` is called too, if it has one. Without calls, each complete pass over a
+        fastload dataset moves to the next epoch, as a shuffling torch loader reshuffles."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        self._epoch = epoch
+        set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_sampler_epoch):
+            set_sampler_epoch(epoch)
+
+    def _finished(self, iteration: _Iteration) -> None:
+        if self._live is not None and self._live() is iteration and self._plan_sampler:
+            self.set_epoch(self._epoch + 1)
+
+    # --- iteration -----------------------------------------------------------------------------
+
+    def __iter__(self) -> _Iteration:  # type: ignore[override]
+        if self._closed:
+            raise ValueError("this DataLoader is closed; make a new one")
+        pending, self._pending = self._pending, None
+        iteration = self._iter_fast(pending) if self._fast else self._iter_torch(pending)
+        self._live = weakref.ref(iteration)
+        _live_iterations.add(iteration)
+        return iteration
+
+    def _iter_torch(self, pending: dict[str, Any] | None) -> _Iteration:
+        plan_start = self._plan_start()
+        start_rng = rng_state(self.generator)  # before the iterator draws its base seed
+        sampler_state = self._sampler_state(pending)  # before the iterator moves it
+        replay = None if pending is None else pending.get("rng_iter")
+        skip = 0 if pending is None or self._fast_forward else int(pending.get("batches", 0))
+        index_replay = None if pending is None else pending.get("rng_index")
+        with replaying(self.generator, replay), self._resumable.resuming(skip, index_replay):
+            source: Iterator[Any] = super().__iter__()
+        iteration = _Iteration(
+            self,
+            source,
+            plan_start=plan_start,
+            torch_state={
+                "rng_iter": replay if replay is not None else start_rng,
+                "sampler": sampler_state,
+            },
+            batches_before=0 if pending is None else int(pending.get("batches", 0)),
+        )
+        for _ in range(self._fast_forward):  # an IterableDataset: replay what was consumed
+            if next(source, None) is None:
+                break
+        self._fast_forward = 0
+        return iteration
+
+    def _iter_fast(self, pending: dict[str, Any] | None) -> _Iteration:
+        plan_start = self._plan_start()
+        batches_before = 0 if pending is None else int(pending.get("batches", 0))
+        index_replay = None if pending is None else pending.get("rng_index")
+        with self._resumable.resuming(batches_before, index_replay):
+            items = iter(self._resumable)
+        builder = self._batch_builder()
+        epoch = self._epoch
+        batched = self._auto_collation
+        workers = self.num_workers
+
+        def load(seq: int, item: Any) -> tuple[int, Any]:
+            return (len(item) if batched else 1), builder.load(item, epoch)
+
+        prefetch = self.prefetch_batches or (self.prefetch_factor or 2) * max(1, workers)
+        per_batch = max(1, self._bytes_per_sample() * (self.batch_size or 1))
+        lookahead = max(prefetch, self.lookahead_bytes // per_batch)
+        round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
+        pipeline = Pipeline(
+            items,
+            load,
+            workers=workers,
+            prefetch=prefetch,
+            stage=builder.stage if workers > 0 and lookahead > 0 else None,
+            lookahead=lookahead,
+            stage_round=round_batches,
+            timeout_s=float(self.timeout),
+            stats=self._stats,
+        )
+        return _Iteration(
+            self,
+            pipeline,
+            plan_start=plan_start,
+            torch_state={"rng_iter": None, "sampler": None},
+            batches_before=batches_before,
+            counted=True,
+        )
+
+    def _plan_start(self) -> ResumeState | None:
+        return None if self._plan_sampler is None else self._plan_sampler.upcoming_state()
+
+    def _sampler_state(self, pending: dict[str, Any] | None) -> Any:
+        if self._plan_sampler is not None:
+            return None
+        if pending is not None:
+            return pending.get("sampler")
+        state_dict = getattr(self.sampler, "state_dict", None)
+        return state_dict() if callable(state_dict) else None
+
+    def _bytes_per_sample(self) -> int:
+        dataset = self.dataset
+        if not isinstance(dataset, ShardedDataset):
+            return 0
+        total = dataset.store.manifest.total_bytes
+        return max(1, total // max(1, len(dataset)))
+
+    def _batch_builder(self) -> BatchBuilder:
+        if self._builder is None:
+            assert isinstance(self.dataset, ShardedDataset)
+            if self.decode is not None:
+                target = "cpu" if self.device is None else str(self.device)
+                self._decoder = make_decoder(
+                    self.decode,  # type: ignore[arg-type]
+                    transform=self.transform,
+                    seed=self.seed,
+                    device=target,
+                    on_error=self.on_error,
+                    num_threads=max(1, self.num_workers),
+                )
+                self._stats.set_info("decode_backend", self._decoder.backend)
+            self._builder = BatchBuilder(
+                self.dataset,
+                collate_fn=self.collate_fn,
+                batched=self._auto_collation,
+                decoder=self._decoder,
+                stats=self._stats,
+                on_device=self._on_device(),
+            )
+        return self._builder
+
+    # --- the device ----------------------------------------------------------------------------
+
+    def _moves_to_device(self) -> bool:
+        return self.device is not None and self.device.type != "cpu"
+
+    def _device_ring(self) -> Any:
+        if self._ring is None:
+            from fastload.ring import DeviceRing
+
+            slots = self.ring_slots or max(2, (self.prefetch_batches or 2) + 2)
+            self._ring = DeviceRing(self.device, slots=slots)  # type: ignore[arg-type]
+        return self._ring
+
+    def _put(self, batch: Any) -> Any:
+        return _InTransfer(self._device_ring().put(batch))
+
+    def _deliver(self, batch: Any) -> Any:
+        if isinstance(batch, _InTransfer):
+            return self._device_ring().get(batch.transfer)
+        return batch
+
+    def _on_device(self) -> Callable[[Any], Any] | None:
+        """What the fast path's threads do with a finished batch: start its device copy, or
+        pin it (``pin_memory`` without ``device``, as torch does), or nothing."""
+        if self._moves_to_device():
+            return self._put
+        if self.pin_memory and torch.cuda.is_available():
+            from torch.utils.data._utils.pin_memory import pin_memory
+
+            def pin(batch: Any) -> Any:
+                return pin_memory(batch, self.pin_memory_device or None)  # type: ignore[no-untyped-call]
+
+            return pin
+        return None
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is, as JSON-serializable values: load it into a loader over the
+        same dataset (any world size or workers, for a fastload dataset) to continue."""
+        state: dict[str, Any] = {"fastload_loader": STATE_VERSION, "epoch": self._epoch}
+        if self._pending is not None:
+            return {**self._pending, "epoch": self._epoch}
+        live = None if self._live is None else self._live()
+        running = live is not None and not live.finished
+        if self._plan_sampler is not None:
+            if running:
+                assert live is not None
+                assert live.plan_start is not None
+                consumed = live.samples if live.counted else self._consumed_by_batches(live)
+                resume = live.plan_start.then(self._plan_sampler.world_size, consumed)
+            else:
+                resume = self._plan_sampler.upcoming_state()
+            state["plan"] = resume.to_dict()
+            return state
+        if running:
+            assert live is not None
+            state["batches"] = live.batches_before + live.batches
+            state.update(live.torch_state)
+            state["rng_index"] = None if live.index_pass is None else live.index_pass.started_from
+        else:
+            state["batches"] = 0
+            state["rng_iter"] = None if self.generator is None else rng_state(self.generator)
+            state["rng_index"] = None
+            state["sampler"] = self._sampler_state(None)
+        return state
+
+    def _consumed_by_batches(self, live: _Iteration) -> int:
+        assert self._plan_sampler is not None
+        total = live.batches_before + live.batches
+        return min(total * (self.batch_size or 1), len(self._plan_sampler))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The next iteration continues from ``state`` (from ``state_dict()``)."""
+        if not isinstance(state, Mapping) or state.get("fastload_loader") != STATE_VERSION:
+            raise ValueError(
+                "not a fastload DataLoader state (expected the dict from loader.state_dict() "
+                f"with fastload_loader={STATE_VERSION})"
+            )
+        self._drop_iterations()
+        epoch = int(state.get("epoch", 0))
+        if self._plan_sampler is not None:
+            if "plan" not in state:
+                raise ValueError(
+                    "this state comes from a loader without fastload's plan (a custom sampler "
+                    "or a plain torch dataset); load it into a loader built the same way"
+                )
+            self._plan_sampler.load_state_dict(state["plan"])
+            self._epoch = self._plan_sampler.epoch
+            return
+        if "plan" in state:
+            raise ValueError(
+                "this state comes from a loader sharded by fastload's plan; this loader has "
+                "its own sampler: build it the same way as the one that saved the state"
+            )
+        self._epoch = epoch
+        batches = int(state.get("batches", 0))
+        if self.sampler is not None and state.get("sampler") is not None:
+            self.sampler.load_state_dict(state["sampler"])  # type: ignore[attr-defined]
+        if batches == 0:  # at an epoch's start: the generator's stream continues from there
+            if self.generator is not None and state.get("rng_iter") is not None:
+                with replaying(self.generator, state["rng_iter"]):
+                    pass
+            return
+        if isinstance(self.dataset, IterableDataset):
+            self._fast_forward = batches
+        self._pending = dict(state)
+
+    def _drop_iterations(self) -> None:
+        live = None if self._live is None else self._live()
+        if live is not None:
+            live.close()
+        self._live = None
+        iterator = getattr(self, "_iterator", None)
+        if iterator is not None:  # persistent workers: the resumed pass needs fresh ones
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()
+            self._iterator = None
+
+    # --- stats and lifetime ----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Per-stage seconds and counts, waits, cache hits and misses, bytes fetched, the
+        decode backend: plain values (JSON-serializable)."""
+        snapshot = self._stats.snapshot()
+        snapshot["path"] = "fastload" if self._fast else "torch"
+        snapshot["epoch"] = self._epoch
+        snapshot["num_workers"] = self.num_workers
+        snapshot["device"] = None if self.device is None else str(self.device)
+        snapshot["decode"] = self.decode
+        if self._ring is not None:
+            snapshot["ring"] = self._ring.stats()
+        return snapshot
+
+    def close(self) -> None:
+        """Stops every thread and worker of this loader and frees its buffers; idempotent."""
+        if self.__dict__.get("_closed", True):
+            return
+        self._closed = True
+        self._drop_iterations()
+        if self._decoder is not None:
+            self._decoder.close()
+        if self._ring is not None:
+            self._ring.close()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit modules may be gone
+            self.close()
+
+
+class _InTransfer:
+    """A batch on its way to the device (marks it for the consumer's side of the ring)."""
+
+    def __init__(self, transfer: Any) -> None:
+        self.transfer = transfer
+
+
+class _Iteration:
+    """One pass over the loader, as the training loop sees it: counts what was delivered
+    (for ``state_dict``), times the waits, and stops its threads when dropped."""
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        source: Iterator[Any],
+        *,
+        plan_start: ResumeState | None,
+        torch_state: dict[str, Any],
+        batches_before: int,
+        counted: bool = False,
+    ) -> None:
+        self._loader = weakref.ref(loader)
+        self._source = source
+        self._stats = loader._stats
+        self._deliver = loader._deliver
+        # The fast path starts the device copy on its threads; torch's batches start it here.
+        self._put = loader._put if loader._moves_to_device() and not loader._fast else None
+        self.plan_start = plan_start
+        self.torch_state = torch_state
+        self.index_pass = loader._resumable.current
+        self.batches_before = batches_before
+        self.counted = counted  # the source yields (samples, batch) pairs
+        self.batches = 0
+        self.samples = 0
+        self.finished = False
+        self._returned_at: float | None = None
+
+    def __iter__(self) -> _Iteration:
+        return self
+
+    def __len__(self) -> int:
+        loader = self._loader()
+        return 0 if loader is None else len(loader)
+
+    def __next__(self) -> Any:
+        now = time.perf_counter()
+        if self._returned_at is not None:
+            self._stats.add("step", now - self._returned_at)
+        try:
+            item = next(self._source)
+        except StopIteration:
+            self._finish()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        if self.counted:
+            samples, batch = item
+        else:
+            samples, batch = 0, item
+            self._stats.count("batches")
+        if self._put is not None:
+            batch = self._put(batch)
+        batch = self._deliver(batch)
+        self.batches += 1
+        self.samples += samples
+        done = time.perf_counter()
+        self._stats.add("wait", done - now)
+        self._returned_at = done
+        return batch
+
+    def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.close()
+            loader = self._loader()
+            if loader is not None:
+                loader._finished(self)
+
+    def close(self) -> None:
+        close = getattr(self._source, "close", None)
+        if isinstance(self._source, Pipeline) and callable(close):
+            close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+__all__ = ["DataLoader"]

@@ -1,0 +1,217 @@
+"""One pass over a loader's batches on threads: dispatch → stage ahead → load → in order.
+
+A dispatcher thread takes index batches from the sampler and stages their shards into the
+cache up to ``lookahead`` batches ahead of the training step; ``workers`` threads load
+batches (read, decode, collate, start the copy to the device) at most ``prefetch`` ahead;
+the consumer takes them in sampler order. Every wait is bounded and rechecks ``closed``, so
+``close()`` (on ``break``, on garbage collection, at exit) stops every thread, and an error
+in any thread reaches the consumer at the batch it belongs to, naming the stage.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fastload.loader.stats import LoaderStats
+
+# Threads wake at least this often to notice close(), whatever else they wait for.
+_POLL_S = 0.1
+
+
+class LoaderTimeoutError(RuntimeError):
+    """No batch arrived within the loader's ``timeout`` (torch raises RuntimeError too)."""
+
+
+class _Failure:
+    """An exception raised by a thread, kept for the consumer with the batch it hit."""
+
+    def __init__(self, error: BaseException, stage: str, seq: int) -> None:
+        self.error, self.stage, self.seq = error, stage, seq
+
+    def raise_(self) -> None:
+        error = self.error
+        if hasattr(error, "add_note") and not getattr(error, "_fastload_noted", False):
+            error.add_note(f"fastload: raised in the {self.stage} stage, batch {self.seq}")
+            error._fastload_noted = True  # type: ignore[attr-defined]
+        raise error
+
+
+class Pipeline:
+    """The batches of one pass, loaded ahead on threads and handed out in order.
+
+    ``load(seq, indices)`` builds batch ``seq``; ``stage(indices)`` (optional) fetches what
+    those samples need into the cache. ``workers=0`` loads in the consumer's thread, as
+    torch does without worker processes.
+    """
+
+    def __init__(
+        self,
+        batches: Iterator[Any],
+        load: Callable[[int, Any], Any],
+        *,
+        workers: int,
+        prefetch: int,
+        stage: Callable[[list[Any]], None] | None = None,
+        lookahead: int = 0,
+        stage_round: int = 8,
+        timeout_s: float = 0.0,
+        stats: LoaderStats,
+        name: str = "fastload",
+    ) -> None:
+        self._batches = batches
+        self._load = load
+        self._stage = stage
+        self._workers = workers
+        self._prefetch = max(1, prefetch)
+        self._lookahead = max(self._prefetch, lookahead)
+        self._stage_round = max(1, stage_round)
+        self._timeout_s = timeout_s
+        self.stats = stats
+        self._cv = threading.Condition()
+        self._todo: deque[tuple[int, Any]] = deque()  # dispatched, not yet taken by a worker
+        self._done: dict[int, Any] = {}  # seq -> batch or _Failure
+        self._dispatched = 0  # batches taken from the sampler so far
+        self._next = 0  # the seq the consumer takes next
+        self._exhausted = False  # the sampler has no more batches
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        if workers > 0:
+            self._start(self._dispatch, f"{name}-dispatch")
+            for i in range(workers):
+                self._start(self._work, f"{name}-worker-{i}")
+
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    # --- threads -----------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Takes index batches from the sampler while within the look-ahead, then stages the
+        newly taken ones (in sampler order) while the workers load the earlier ones."""
+        while True:
+            fresh: list[Any] = []
+            with self._cv:
+                while not self._closed and self._dispatched >= self._next + self._lookahead:
+                    self._cv.wait(_POLL_S)
+                if self._closed:
+                    return
+                room = min(self._stage_round, self._next + self._lookahead - self._dispatched)
+            for _ in range(room):
+                try:
+                    indices = next(self._batches)
+                except StopIteration:
+                    with self._cv:
+                        self._exhausted = True
+                        self._cv.notify_all()
+                    break
+                except BaseException as e:  # the sampler failed: the next batch carries it
+                    with self._cv:
+                        self._done[self._dispatched] = _Failure(e, "sampler", self._dispatched)
+                        self._dispatched += 1
+                        self._exhausted = True
+                        self._cv.notify_all()
+                    return
+                with self._cv:
+                    self._todo.append((self._dispatched, indices))
+                    self._dispatched += 1
+                    self._cv.notify_all()
+                fresh.append(indices)
+            if fresh and self._stage is not None:
+                try:
+                    with self.stats.timed("stage"):
+                        self._stage(fresh)
+                except Exception:
+                    # Not fatal: each worker reads through the cache, which fetches what is
+                    # missing and raises the error, with its URL, at the batch that needs it.
+                    self.stats.count("stage_errors")
+            with self._cv:
+                if self._exhausted:
+                    return
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not (
+                    self._todo and self._todo[0][0] < self._next + self._prefetch
+                ):
+                    if self._exhausted and not self._todo:
+                        return
+                    self._cv.wait(_POLL_S)
+                if self._closed:
+                    return
+                seq, indices = self._todo.popleft()
+            result: Any
+            try:
+                result = self._load(seq, indices)
+            except BaseException as e:
+                result = _Failure(e, getattr(e, "_fastload_stage", "load"), seq)
+            with self._cv:
+                self._done[seq] = result
+                self._cv.notify_all()
+
+    # --- consumer ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Pipeline:
+        return self
+
+    def __next__(self) -> Any:
+        if self._workers == 0:
+            return self._next_inline()
+        deadline = time.perf_counter() + self._timeout_s if self._timeout_s > 0 else None
+        with self._cv:
+            while self._next not in self._done:
+                if self._closed:
+                    raise StopIteration
+                if self._exhausted and self._next >= self._dispatched:
+                    raise StopIteration
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise LoaderTimeoutError(
+                        f"DataLoader timed out after {self._timeout_s} seconds waiting for "
+                        f"batch {self._next}"
+                    )
+                if not any(t.is_alive() for t in self._threads[1:]):
+                    raise RuntimeError("fastload's loader threads stopped without a result")
+                self._cv.wait(_POLL_S)
+            result = self._done.pop(self._next)
+            self._next += 1
+            self._cv.notify_all()
+        if isinstance(result, _Failure):
+            self.close()
+            result.raise_()
+        return result
+
+    def _next_inline(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        indices = next(self._batches)  # StopIteration ends the pass
+        seq, self._next = self._next, self._next + 1
+        try:
+            return self._load(seq, indices)
+        except BaseException as e:
+            _Failure(e, getattr(e, "_fastload_stage", "load"), seq).raise_()
+            raise  # unreachable: raise_ raises
+
+    def close(self) -> None:
+        """Stops the threads (they finish the sample in hand, then exit); idempotent."""
+        with self._cv:
+            self._closed = True
+            self._todo.clear()
+            self._done.clear()
+            self._cv.notify_all()
+        me = threading.current_thread()
+        for thread in self._threads:
+            if thread is not me:
+                thread.join(timeout=_POLL_S)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __del__(self) -> None:
+        self.close()
