@@ -25,6 +25,7 @@ from fastload.decode import DecodeError, Decoder
 from fastload.errors import FastloadError
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
+from fastload.stage import StageResult
 
 # Tar fields taken as the image / the label when decoding (WebDataset's usual names).
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
@@ -85,6 +86,9 @@ class BatchBuilder:
             self._staged[key] = None
         while len(self._staged) > 65536:  # forget the oldest: only a repeat filter
             del self._staged[next(iter(self._staged))]
+        self._record(results)
+
+    def _record(self, results: Sequence[StageResult]) -> None:
         for r in results:
             if r.outcome == "cached":
                 self.stats.count("cache_hits")
@@ -126,6 +130,10 @@ class BatchBuilder:
                     raise _noted(e, "transfer") from None
         return batch
 
+    def _local_path(self, key: str) -> str | None:
+        local = self.dataset.store.local_path(key)
+        return None if local is None else str(local)
+
     def _collate(self, samples: Any) -> Any:
         if self.collate_fn is not None:
             return self.collate_fn(samples)
@@ -140,8 +148,12 @@ class BatchBuilder:
         for rs in ranges:
             for key, _, _ in rs or ():
                 if key not in paths:
-                    local = ds.store.local_path(key)
-                    paths[key] = None if local is None else str(local)
+                    paths[key] = self._local_path(key)
+        missing = [key for key, path in paths.items() if path is None]
+        if missing:  # not staged ahead (yet): fetch this batch's objects together
+            self._record(ds.store.stage(missing))
+            for key in missing:
+                paths[key] = self._local_path(key)
         native = [rs is not None and all(paths[k] is not None for k, _, _ in rs) for rs in ranges]
         parts: list[list[memoryview] | None] = [None] * len(indices)
         if any(native):
