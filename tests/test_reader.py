@@ -431,6 +431,52 @@ def test_reader_keeps_working_in_a_forked_child(reader: BatchReader, data_file) 
     assert list(reader.read([(path, 0, 10, bytearray(10))])) == [10]  # parent unaffected
 
 
+class _Cycle:
+    """Holds a reader in a reference cycle: only the garbage collector frees it."""
+
+    def __init__(self, reader: BatchReader) -> None:
+        self.reader = reader
+        self.me = self
+
+
+def _collect_garbage(conn) -> None:
+    import gc
+
+    gc.collect()  # destroys the parent's reader here unless fastload orphaned its pool
+    conn.send("collected")
+
+
+def test_a_forked_child_collecting_a_parents_reader_does_not_hang(data_file) -> None:
+    """torch's DataLoader workers fork, then collect garbage: a reader the parent had not
+    collected yet must not be destroyed there (joining threads the child does not have)."""
+    import gc
+
+    path, _ = data_file
+    reader = BatchReader(backend="native" if fastload.native_available() else "python")
+    reader.read([(path, 0, 10, bytearray(10))])  # the parent's pool threads exist now
+    gc.disable()  # keep the cycle uncollected until the fork
+    try:
+        _Cycle(reader)
+        del reader
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_collect_garbage, args=(child,))
+        proc.start()
+    finally:
+        gc.enable()
+    try:
+        assert parent.poll(30), "the child hung collecting the parent's reader"
+        assert parent.recv() == "collected"
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+        parent.close()
+        child.close()
+    assert proc.exitcode == 0
+    gc.collect()
+
+
 def test_close_is_idempotent_and_reading_after_close_fails(data_file) -> None:
     path, _ = data_file
     r = BatchReader(backend="python")

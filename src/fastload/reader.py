@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -254,8 +255,21 @@ class _PythonBackend:
 
 
 # Objects whose threads were left behind in a parent process by fork(); destroying them in
-# the child would try to join threads that do not exist there.
+# the child would try to join threads that do not exist there (and block for good in
+# pthread_cond_destroy). Every reader alive at a fork, even one only waiting for the garbage
+# collector, gives its pool up here in the child, so no destructor of it ever runs there.
 _orphaned_by_fork: list[Any] = []
+_readers: weakref.WeakSet[BatchReader] = weakref.WeakSet()
+
+
+def _orphan_pools_in_child() -> None:
+    for reader in list(_readers):
+        if reader._impl is not None and reader._pid != os.getpid():
+            _orphaned_by_fork.append(reader._impl)
+            reader._impl = None
+
+
+os.register_at_fork(after_in_child=_orphan_pools_in_child)
 
 
 class BatchReader:
@@ -291,6 +305,7 @@ class BatchReader:
         self._impl: Any = None
         self._pid = -1
         self._closed = False
+        _readers.add(self)
 
     def _backend(self) -> Any:
         if self._closed:

@@ -43,17 +43,17 @@ class TrainPreset:
 
 @dataclass(frozen=True)
 class EvalPreset:
-    """Resize the shorter side to ``resize`` (default: 8/7 of size, 256 for 224), center
-    crop ``size``, normalize, to float32."""
+    """Resize the shorter side to ``resize`` (0, the default: 8/7 of size, torchvision's 256
+    for 224), center crop ``size``, normalize, to float32."""
 
     size: int = 224
-    resize: int = None  # type: ignore[assignment]  # set from size when not given
+    resize: int = 0  # 0: round(size * 8 / 7)
     _: KW_ONLY
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
 
     def __post_init__(self) -> None:
-        if self.resize is None:
+        if self.resize == 0:
             object.__setattr__(self, "resize", round(self.size * 8 / 7))
         if not 0 < self.size <= self.resize:
             raise ValueError(f"need 0 < size <= resize, got size={self.size}, resize={self.resize}")

@@ -153,6 +153,7 @@ class DataLoader(tud.DataLoader[Any]):
                 dataset, rank=rank, world_size=world_size, seed=seed, shuffle=bool(shuffle)
             )
             sampler, shuffle = plan_sampler, None
+        self._fast = fast  # before torch's __init__, which warns about worker processes
         extra: dict[str, Any] = {}
         if _TORCH_HAS_IN_ORDER:
             extra["in_order"] = in_order
@@ -191,7 +192,6 @@ class DataLoader(tud.DataLoader[Any]):
             DEFAULT_LOOKAHEAD_BYTES if lookahead_bytes is None else lookahead_bytes
         )
         self.ring_slots = ring_slots
-        self._fast = fast
         self._plan_sampler = plan_sampler
         self._resumable = ResumableIndex(super()._index_sampler, generator)
         self._epoch = 0
@@ -210,6 +210,10 @@ class DataLoader(tud.DataLoader[Any]):
     def _index_sampler(self) -> Any:
         resumable = self.__dict__.get("_resumable")
         return resumable if resumable is not None else super()._index_sampler
+
+    def check_worker_number_rationality(self) -> None:
+        if not self.__dict__.get("_fast"):  # the fast path's workers are threads
+            super().check_worker_number_rationality()
 
     # --- epochs --------------------------------------------------------------------------------
 
@@ -282,7 +286,7 @@ class DataLoader(tud.DataLoader[Any]):
         def load(seq: int, item: Any) -> tuple[int, Any]:
             return (len(item) if batched else 1), builder.load(item, epoch)
 
-        prefetch = self.prefetch_batches or (self.prefetch_factor or 2) * max(1, workers)
+        prefetch = self._prefetch_depth()
         per_batch = max(1, self._bytes_per_sample() * (self.batch_size or 1))
         lookahead = max(prefetch, self.lookahead_bytes // per_batch)
         round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
@@ -351,13 +355,25 @@ class DataLoader(tud.DataLoader[Any]):
     # --- the device ----------------------------------------------------------------------------
 
     def _moves_to_device(self) -> bool:
-        return self.device is not None and self.device.type != "cpu"
+        """Batches go through the ring to an accelerator; on the CPU only when ``ring_slots``
+        is given (the same ring, unpinned: it bounds the memory batches in flight hold)."""
+        if self.device is None:
+            return False
+        return self.device.type != "cpu" or self.ring_slots is not None
+
+    def _prefetch_depth(self) -> int:
+        """Batches loaded ahead of the training step. Each holds a ring slot until taken, so
+        the ring's depth bounds it (a deeper prefetch would wait on the ring forever)."""
+        depth = self.prefetch_batches or (self.prefetch_factor or 2) * max(1, self.num_workers)
+        if self.ring_slots is not None and self._moves_to_device():
+            depth = min(depth, self.ring_slots)
+        return depth
 
     def _device_ring(self) -> Any:
         if self._ring is None:
             from fastload.ring import DeviceRing
 
-            slots = self.ring_slots or max(2, (self.prefetch_batches or 2) + 2)
+            slots = self.ring_slots or self._prefetch_depth() + 1
             self._ring = DeviceRing(self.device, slots=slots)  # type: ignore[arg-type]
         return self._ring
 
@@ -585,9 +601,17 @@ class _Iteration:
                 loader._finished(self)
 
     def close(self) -> None:
-        close = getattr(self._source, "close", None)
-        if isinstance(self._source, Pipeline) and callable(close):
-            close()
+        """Stops this pass's threads, or torch's worker processes (unless persistent): now,
+        not whenever the garbage collector runs, which may be inside a forked worker."""
+        source = self._source
+        if isinstance(source, Pipeline):
+            source.close()
+            return
+        loader = self._loader()
+        persistent = loader is not None and loader.__dict__.get("_iterator") is source
+        shutdown = getattr(source, "_shutdown_workers", None)
+        if not persistent and callable(shutdown):
+            shutdown()
 
     def __del__(self) -> None:
         self.close()

@@ -1,0 +1,595 @@
+"""The device stage: batches of CPU tensors to the GPU through a ring of pinned host slots.
+
+::
+
+    producer (loader thread)                            consumer (training thread)
+    put(batch) ─► free slot ─► pack every CPU tensor ─► one H2D copy      get(transfer)
+                  ▲            into it (page-aligned,    on a side stream,  │ its stream waits on
+                  │            pinned)                   event recorded ─►──┤ the event (no host
+                  │                                                         │ sync); record_stream
+                  └── released by get(); reused only once its event fired ◄─┘
+
+Why a ring of our own rather than ``tensor.pin_memory()`` then ``.to(device)`` per tensor:
+
+* one host->device copy per batch, not one per tensor (a batch's labels are a tiny copy
+  that costs as much launch overhead as the images);
+* bounded memory: ``slots`` host buffers, each as large as the largest batch it carried
+  (or ``slot_bytes``), and at most ``slots`` batches put but not yet taken, so the producer
+  cannot run ahead and fill the GPU;
+* page-aligned buffers from :func:`fastload.aligned_empty`, registered with
+  ``cudaHostRegister`` (the native reader can fill such memory directly), unregistered on
+  close; torch's pinned allocator only when registration fails.
+
+The batch arrives on the device as views into one device buffer per batch (released when
+all of them are dropped). On a CPU target the same ring runs unpinned and ``get`` hands out
+a copy, so a slot's reuse never touches a batch the consumer still holds; this is how the
+ring runs without CUDA and how it is tested there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from fastload.errors import FastloadError
+from fastload.reader import aligned_empty
+
+__all__ = ["DeviceRing", "RingClosedError", "RingTimeoutError", "Transfer"]
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 256  # each tensor's offset in a slot: what cudaMalloc guarantees, ample for any dtype
+_GROW_STEP = 64 << 10  # slots grow in 64 KiB steps, so nearly equal batches do not regrow
+_COPY_TIMEOUT_S = 120.0  # a host->device copy not done by then means a hung device
+_POLL_S = 0.0002
+_RECLAIM_S = 0.05  # how often a waiting producer looks for slots of dropped transfers
+
+_FREE, _FILLING, _IN_FLIGHT, _RETIRED = "free", "filling", "in flight", "retired"
+
+
+class RingClosedError(FastloadError, RuntimeError):
+    """The ring was closed while a producer waited for a slot, or before a batch was taken."""
+
+
+class RingTimeoutError(FastloadError, TimeoutError):
+    """No slot came free in time, or a host->device copy did not complete in time."""
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """Where one tensor lives in a slot (and in the batch's device buffer)."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+
+@dataclass(frozen=True, slots=True)
+class _Packed:
+    """Placeholder for the k-th packed tensor in a batch's structure."""
+
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Direct:
+    """Placeholder for a CPU tensor without a plain strided layout (sparse, quantized,
+    nested): moved on its own by ``get``, on the consumer's stream."""
+
+    tensor: torch.Tensor
+
+
+def _map(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` with every non-container value replaced by ``leaf(value)``.
+
+    Containers: tuple, list, namedtuple, dict (subclasses keep their type); anything else,
+    including strings, is a leaf.
+    """
+    if isinstance(obj, tuple):
+        items = [_map(x, leaf) for x in obj]
+        if hasattr(obj, "_fields"):  # a namedtuple
+            return type(obj)(*items)
+        return tuple(items) if type(obj) is tuple else type(obj)(items)
+    if isinstance(obj, list):
+        items = [_map(x, leaf) for x in obj]
+        return items if type(obj) is list else type(obj)(items)
+    if isinstance(obj, Mapping):
+        if type(obj) is dict:
+            return {k: _map(v, leaf) for k, v in obj.items()}
+        try:  # OrderedDict, defaultdict, ...: a copy keeps the type and its extras
+            clone = obj.copy()  # type: ignore[attr-defined]
+            clone.update({k: _map(v, leaf) for k, v in obj.items()})
+            return clone
+        except (AttributeError, TypeError):
+            return {k: _map(v, leaf) for k, v in obj.items()}
+    return leaf(obj)
+
+
+def _regular(t: torch.Tensor) -> bool:
+    """Whether a tensor's bytes can be packed into a slot and viewed back."""
+    return t.layout == torch.strided and not t.is_quantized and not t.is_nested
+
+
+def _view(buffer: torch.Tensor, p: _Placed) -> torch.Tensor:
+    return buffer[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
+
+
+class _Slot:
+    """One host buffer of the ring and the event of the last copy out of it."""
+
+    def __init__(self, index: int, event: Any) -> None:
+        self.index = index
+        self.state = _FREE
+        self.capacity = 0
+        self.array: npt.NDArray[np.uint8] | None = None  # aligned_empty memory, if ours
+        self.host = torch.empty(0, dtype=torch.uint8)
+        self.registered = False  # cudaHostRegister'd: unregister before the memory goes
+        self.event = event  # torch.cuda.Event, or None on a CPU target
+
+
+class Transfer:
+    """A batch on its way to the device: hand it to :meth:`DeviceRing.get` exactly once."""
+
+    __slots__ = ("_buffer", "_layout", "_ring", "_slot", "_taken", "_template", "nbytes")
+
+    def __init__(
+        self,
+        ring: DeviceRing,
+        slot: _Slot | None,
+        template: Any,
+        layout: list[_Placed],
+        buffer: torch.Tensor | None,
+        nbytes: int,
+    ) -> None:
+        self._ring = ring
+        self._slot = slot
+        self._template = template
+        self._layout = layout
+        self._buffer = buffer
+        self._taken = False
+        self.nbytes = nbytes  # bytes of tensor data moved for this batch
+
+    def __del__(self) -> None:
+        # Dropped without get() (a consumer that stopped early): its slot must not be lost,
+        # or producers would wait for it forever. deque.append needs no lock, so this is
+        # safe whichever thread the garbage collector runs it on.
+        if not self._taken and self._slot is not None:
+            with contextlib.suppress(Exception):  # at interpreter exit, anything may be gone
+                self._ring._dropped.append(self._slot)
+
+    def __repr__(self) -> str:
+        where = "taken" if self._taken else "pending"
+        return f"Transfer({self.nbytes} bytes, {len(self._layout)} tensors, {where})"
+
+
+def _resolve(device: str | torch.device) -> torch.device:
+    want = torch.device(device)
+    if want.type == "cpu":
+        return torch.device("cpu")
+    if want.type != "cuda":
+        raise ValueError(f"DeviceRing moves batches to 'cpu' or 'cuda[:k]', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"DeviceRing(device={str(device)!r}) needs a CUDA device, but torch "
+            f"{torch.__version__} sees none; install a CUDA build of torch on a GPU machine, "
+            "or use device='cpu'"
+        )
+    index = torch.cuda.current_device() if want.index is None else want.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(
+            f"DeviceRing(device={str(device)!r}): torch sees {torch.cuda.device_count()} "
+            "CUDA devices"
+        )
+    return torch.device("cuda", index)
+
+
+def _cudart() -> Any:
+    cuda: Any = torch.cuda  # cudart() is untyped
+    return cuda.cudart()
+
+
+def _host_register(ptr: int, nbytes: int, device: torch.device) -> tuple[int, str]:
+    """cudaHostRegister on a throwaway thread: (error code, its name).
+
+    A failed call leaves CUDA's per-thread "last error" set, and torch's check after the
+    next kernel launch in that thread would report it as its own; the thread takes it away.
+    """
+    result: list[tuple[int, str]] = [(-1, "not run")]
+
+    def call() -> None:
+        try:
+            with torch.cuda.device(device):  # not device 0's context on a multi-GPU node
+                cudart = _cudart()
+                err = cudart.cudaHostRegister(ptr, nbytes, 1)  # 1: cudaHostRegisterPortable
+                code = int(err)
+                result[0] = (code, "" if code == 0 else str(cudart.cudaGetErrorString(err)))
+        except Exception as e:
+            result[0] = (-1, f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=call, name="fastload-pin", daemon=True)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _copy_done(slot: _Slot, timeout_s: float) -> float:
+    """Waits until the slot's last copy has completed; returns the seconds waited."""
+    event = slot.event
+    if event is None or event.query():
+        return 0.0
+    start = time.monotonic()
+    while not event.query():
+        if time.monotonic() - start > timeout_s:
+            raise RingTimeoutError(
+                f"a host->device copy out of ring slot {slot.index} has not completed in "
+                f"{timeout_s:.0f} s; the GPU may be hung (check nvidia-smi)"
+            )
+        time.sleep(_POLL_S)
+    return time.monotonic() - start
+
+
+_LEAKED: list[_Slot] = []  # slots whose copy never finished: their memory must stay mapped
+
+
+def _retire(slot: _Slot) -> None:
+    """Takes a slot out of use and frees its memory once no copy reads it; idempotent."""
+    if slot.state == _RETIRED:
+        return
+    slot.state = _RETIRED
+    try:
+        _copy_done(slot, _COPY_TIMEOUT_S)
+    except Exception:  # a hung or lost device: keep the memory mapped, and say so
+        log.warning("fastload ring: slot %d is still being copied; its memory is kept", slot.index)
+        _LEAKED.append(slot)
+        return
+    _drop_memory(slot)
+
+
+def _drop_memory(slot: _Slot) -> None:
+    """Unregisters and drops the slot's buffer; its last copy must have completed."""
+    if slot.registered and slot.array is not None:
+        # At interpreter exit CUDA may be gone already; the process's end unpins anyway.
+        with contextlib.suppress(Exception):
+            _cudart().cudaHostUnregister(slot.array.ctypes.data)
+    slot.registered = False
+    slot.array = None
+    slot.host = torch.empty(0, dtype=torch.uint8)
+    slot.capacity = 0
+
+
+def _retire_all(slots: list[_Slot]) -> None:
+    for slot in slots:
+        _retire(slot)
+
+
+class DeviceRing:
+    """Moves (nested) batches of CPU tensors to ``device`` through a ring of page-aligned
+    host slots (see the module docstring).
+
+    ``slots``: how many batches may be put and not yet taken. ``slot_bytes``: 0 lets the
+    slots grow to the largest batch the ring has carried (host memory stays within
+    ``slots`` x that); a positive value fixes every slot at that size and refuses larger
+    batches. ``pin``: None pins when the device is CUDA.
+
+    A batch is any nesting of tuples, lists, namedtuples and dicts; CPU tensors in it are
+    moved (dtype, shape and values kept; non-contiguous ones too), tensors on another
+    device and non-tensor values pass through untouched.
+
+    ``put`` and ``get`` may run on different threads; ``put`` on several. ``close()`` wakes
+    a producer waiting for a slot (it raises :class:`RingClosedError`).
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device,
+        *,
+        slots: int = 4,
+        slot_bytes: int = 0,
+        pin: bool | None = None,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if slot_bytes < 0:
+            raise ValueError(f"slot_bytes must be >= 0 (0: grow as needed), got {slot_bytes}")
+        self.device = _resolve(device)
+        self._cuda = self.device.type == "cuda"
+        if pin and not torch.cuda.is_available():
+            raise ValueError(
+                "pin=True needs CUDA (torch.cuda.is_available() is False); pass pin=None"
+            )
+        self.pinned = self._cuda if pin is None else bool(pin)
+        self.slot_bytes = slot_bytes
+        cuda: Any = torch.cuda  # its Stream and Event constructors are untyped
+        self._stream: Any = cuda.Stream(device=self.device) if self._cuda else None
+        self._slots = [_Slot(i, cuda.Event() if self._cuda else None) for i in range(slots)]
+        self._free: deque[_Slot] = deque(self._slots)
+        self._dropped: deque[_Slot] = deque()  # slots of transfers dropped without get()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._warned_pin = False
+        self._stats = {
+            "batches": 0,
+            "delivered": 0,
+            "bytes_moved": 0,
+            "wait_slot_s": 0.0,
+            "wait_copy_s": 0.0,
+            "pack_s": 0.0,
+            "grows": 0,
+        }
+        # Memory registered with CUDA must be unregistered even if close() is never called;
+        # not at interpreter exit, though, when CUDA may be half torn down (the process's
+        # end unpins its memory anyway).
+        self._finalizer = weakref.finalize(self, _retire_all, self._slots)
+        self._finalizer.atexit = False
+
+    @property
+    def stream(self) -> Any:
+        """The side stream the copies run on (None on a CPU target)."""
+        return self._stream
+
+    # -- producer -----------------------------------------------------------------------------
+
+    def put(self, batch: Any, *, timeout_s: float | None = None) -> Transfer:
+        """Packs the batch's CPU tensors into a free slot and starts their copy to the device.
+
+        Waits for a free slot (one whose batch was taken by :meth:`get`) up to ``timeout_s``
+        (None: until one frees or the ring is closed), and, if that slot's previous copy is
+        still running, for that copy. Returns once the copy is issued, not done.
+        """
+        tensors: list[torch.Tensor] = []
+
+        def collect(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+                return value
+            if not _regular(value):
+                return _Direct(value)
+            tensors.append(value)
+            return _Packed(len(tensors) - 1)
+
+        template = _map(batch, collect)
+        layout: list[_Placed] = []
+        total = 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            layout.append(_Placed(total, nbytes, t.dtype, t.shape))
+            total += _round_up(nbytes, _ALIGN)
+        if self.slot_bytes and total > self.slot_bytes:
+            raise ValueError(
+                f"a batch of {total:,} bytes (with alignment) does not fit DeviceRing's "
+                f"slot_bytes={self.slot_bytes:,}; raise slot_bytes, or pass 0 to let slots grow"
+            )
+        moved = sum(p.nbytes for p in layout)
+        if total == 0:  # nothing to copy: no slot needed
+            with self._cond:
+                if self._closed:
+                    raise RingClosedError("put on a closed DeviceRing")
+                self._stats["batches"] += 1
+            return Transfer(self, None, template, layout, None, 0)
+        slot = self._acquire(timeout_s)
+        try:
+            waited = _copy_done(slot, _COPY_TIMEOUT_S)
+            grow = total > slot.capacity
+            if grow:
+                self._grow(slot, total)
+            start = time.perf_counter()
+            with torch.no_grad():
+                for t, p in zip(tensors, layout, strict=True):
+                    if p.nbytes:
+                        _view(slot.host, p).copy_(t)
+            packed = time.perf_counter()
+            buffer = self._issue(slot, total)
+        except BaseException:
+            with self._cond:
+                self._give_back(slot)
+            raise
+        with self._cond:
+            self._stats["wait_copy_s"] += waited
+            self._stats["pack_s"] += packed - start
+            self._stats["grows"] += grow
+            if self._closed:
+                self._give_back(slot)
+                raise RingClosedError("the DeviceRing was closed while this batch was packed")
+            slot.state = _IN_FLIGHT
+            self._stats["batches"] += 1
+            self._stats["bytes_moved"] += moved
+        return Transfer(self, slot, template, layout, buffer, moved)
+
+    def _acquire(self, timeout_s: float | None) -> _Slot:
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s
+        with self._cond:
+            try:
+                while not self._reclaim() and not self._closed:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise RingTimeoutError(
+                            f"no DeviceRing slot came free in {timeout_s} s: all "
+                            f"{len(self._slots)} hold batches not yet taken by get()"
+                        )
+                    # Woken by get() and close(); the period catches dropped transfers.
+                    self._cond.wait(_RECLAIM_S if remaining is None else min(remaining, _RECLAIM_S))
+                if self._closed:
+                    raise RingClosedError(
+                        "the DeviceRing was closed while put() waited for a free slot"
+                    )
+                slot = self._free.popleft()
+                slot.state = _FILLING
+                return slot
+            finally:
+                self._stats["wait_slot_s"] += time.monotonic() - start
+
+    def _grow(self, slot: _Slot, need: int) -> None:
+        """Replaces the slot's buffer with one of at least ``need`` bytes (its copy is done).
+
+        A growing slot takes the size of the largest slot too: the batches of one loader are
+        alike, and each regrowth costs an allocation and a registration with CUDA.
+        """
+        largest = max(s.capacity for s in self._slots)
+        capacity = self.slot_bytes or max(_round_up(need, _GROW_STEP), largest)
+        _drop_memory(slot)
+        array = aligned_empty(capacity)
+        host = torch.from_numpy(array)
+        if self.pinned:
+            code, why = _host_register(array.ctypes.data, capacity, self._pin_device())
+            if code == 0:
+                slot.registered = True
+            else:
+                if not self._warned_pin:
+                    self._warned_pin = True
+                    log.warning(
+                        "fastload ring: cudaHostRegister of %d bytes failed (%s); using "
+                        "torch's pinned allocator instead",
+                        capacity,
+                        why,
+                    )
+                host = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        # The aligned array stays referenced while it backs the slot (and its registration).
+        slot.array = array if slot.registered or not self.pinned else None
+        slot.host, slot.capacity = host, capacity
+
+    def _pin_device(self) -> torch.device:
+        return self.device if self._cuda else torch.device("cuda", torch.cuda.current_device())
+
+    def _issue(self, slot: _Slot, total: int) -> torch.Tensor:
+        """Starts the copy of the slot's first ``total`` bytes; the slot's event follows it."""
+        if not self._cuda:
+            return slot.host[:total].clone()  # the copy out: the slot is free to reuse
+        # Allocated on the side stream; get() records the consumer's stream on it, so the
+        # caching allocator does not hand the memory out again while the consumer uses it.
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            try:
+                buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+                buffer.copy_(slot.host[:total], non_blocking=True)
+            finally:
+                slot.event.record(self._stream)
+        return buffer
+
+    def _reclaim(self) -> bool:
+        """Under the lock: frees the slots of dropped transfers; whether any slot is free."""
+        while self._dropped:
+            slot = self._dropped.popleft()
+            if slot.state == _IN_FLIGHT:
+                self._give_back(slot)
+        return bool(self._free)
+
+    def _give_back(self, slot: _Slot) -> None:
+        """Under the lock: the slot is free again (or retired, after close)."""
+        if self._closed:
+            _retire(slot)
+            return
+        slot.state = _FREE
+        self._free.append(slot)
+        self._cond.notify()
+
+    # -- consumer -----------------------------------------------------------------------------
+
+    def get(self, transfer: Transfer) -> Any:
+        """The batch on the device, with the structure it was put with.
+
+        On CUDA the caller's current stream waits for the copy (no host synchronization) and
+        the batch's memory is recorded as used by that stream.
+        """
+        if transfer._ring is not self:
+            raise ValueError("this Transfer was made by another DeviceRing")
+        with self._cond:
+            if transfer._taken:
+                raise ValueError("this Transfer was already taken by get()")
+            if self._closed:
+                raise RingClosedError("get on a closed DeviceRing; its batches were dropped")
+            transfer._taken = True
+            self._stats["delivered"] += 1
+        slot, buffer = transfer._slot, transfer._buffer
+        consumer = torch.cuda.current_stream(self.device) if self._cuda else None
+        if slot is not None:
+            try:
+                if consumer is not None and buffer is not None:
+                    consumer.wait_event(slot.event)
+                    buffer.record_stream(consumer)
+            finally:
+                with self._cond:
+                    self._give_back(slot)
+        views = [_view(buffer, p) for p in transfer._layout] if buffer is not None else []
+
+        def unpack(value: Any) -> Any:
+            if isinstance(value, _Packed):
+                return views[value.k]
+            if isinstance(value, _Direct):  # ordered on the consumer's stream
+                return value.tensor.to(self.device) if self._cuda else value.tensor.clone()
+            return value
+
+        return _map(transfer._template, unpack)
+
+    def discard(self, transfer: Transfer) -> None:
+        """Frees the slot of a batch that will never be taken (a consumer stopping early).
+
+        Dropping the last reference to a transfer does the same, a little later.
+        """
+        if transfer._ring is not self:
+            raise ValueError("this Transfer was made by another DeviceRing")
+        with self._cond:
+            if transfer._taken:
+                return
+            transfer._taken = True
+            if transfer._slot is not None and transfer._slot.state == _IN_FLIGHT:
+                self._give_back(transfer._slot)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since construction (JSON-serializable)."""
+        with self._cond:
+            self._reclaim()
+            return {
+                "device": str(self.device),
+                "slots": len(self._slots),
+                "pinned": self.pinned,
+                **self._stats,
+                "in_flight": sum(s.state == _IN_FLIGHT for s in self._slots),
+                "slot_bytes_held": sum(s.capacity for s in self._slots),
+            }
+
+    def slot_buffers(self) -> list[torch.Tensor]:
+        """The host buffers of the slots that hold memory (for inspection and tests)."""
+        with self._cond:
+            return [s.host for s in self._slots if s.capacity]
+
+    def close(self) -> None:
+        """Wakes waiting producers, frees every slot once its copy is done; idempotent.
+
+        Batches already taken stay valid. A slot a producer is packing is freed by that
+        producer when it finishes.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            idle = [s for s in self._slots if s.state != _FILLING]
+            self._free.clear()
+            self._cond.notify_all()
+        _retire_all(idle)
+
+    def __enter__(self) -> DeviceRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._slots)} slots"
+        return f"DeviceRing(device={str(self.device)!r}, {state}, pinned={self.pinned})"
