@@ -306,7 +306,7 @@ class Cache:
         self._db: sqlite3.Connection | None = None
         self._db_pid = -1
         self._readers = threading.local()  # WAL: each thread reads without waiting for writes
-        self._reader_dbs: list[tuple[int, sqlite3.Connection]] = []
+        self._reader_dbs: list[tuple[int, threading.Thread, sqlite3.Connection]] = []
         self._recent: dict[str, float] = {}  # uses not yet written to the index
         self._pending: list[_Publication] = []  # parts waiting for the next group commit
         self._pending_lock = threading.Lock()
@@ -339,7 +339,16 @@ class Cache:
         if getattr(readers, "pid", None) != os.getpid():
             readers.db, readers.pid = self._connect(), os.getpid()
             with self._lock:
-                self._reader_dbs.append((os.getpid(), readers.db))
+                # Threads come and go (a loader starts new ones each epoch): close what the
+                # ended ones opened, or each would keep a file descriptor for good.
+                alive = []
+                for pid, thread, conn in self._reader_dbs:
+                    if pid == os.getpid() and not thread.is_alive():
+                        conn.close()
+                    else:
+                        alive.append((pid, thread, conn))
+                alive.append((os.getpid(), threading.current_thread(), readers.db))
+                self._reader_dbs = alive
         db: sqlite3.Connection = readers.db
         return db
 
@@ -774,7 +783,7 @@ class Cache:
             if self._db is not None and self._db_pid == os.getpid():
                 self._db.close()
             self._db = None
-            for pid, db in self._reader_dbs:
+            for pid, _, db in self._reader_dbs:
                 if pid == os.getpid():  # a parent's connections are not ours to close
                     db.close()
             self._reader_dbs = []

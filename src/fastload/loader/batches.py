@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,8 @@ class BatchBuilder:
         self.on_device = on_device
         self._local = _ThreadBuffers()
         self._staged: dict[str, None] = {}  # recently staged keys (insertion-ordered, bounded)
+        self._needed: set[str] = set()  # objects this pass has read
+        self._needed_lock = threading.Lock()
 
     # --- staging ahead -----------------------------------------------------------------------
 
@@ -89,13 +91,12 @@ class BatchBuilder:
         self._record(results)
 
     def _record(self, results: Sequence[StageResult]) -> None:
+        # "cached" is not counted: it may mean another thread of this loader just fetched it.
         for r in results:
-            if r.outcome == "cached":
-                self.stats.count("cache_hits")
-            elif r.outcome == "fetched":
+            if r.outcome == "fetched":
                 self.stats.count("cache_misses")
                 self.stats.count("bytes_fetched", r.nbytes)
-            else:
+            elif r.outcome != "cached":
                 self.stats.count(f"stage_{r.outcome}")
 
     # --- one batch ---------------------------------------------------------------------------
@@ -130,6 +131,18 @@ class BatchBuilder:
                     raise _noted(e, "transfer") from None
         return batch
 
+    def new_pass(self) -> None:
+        with self._needed_lock:
+            self._needed.clear()
+
+    def _note_needed(self, shard_keys: Iterable[list[str]]) -> None:
+        """Counts each object a pass reads once: hits are these minus what was fetched."""
+        with self._needed_lock:
+            before = len(self._needed)
+            for keys in shard_keys:
+                self._needed.update(keys)
+            self.stats.count("objects_needed", len(self._needed) - before)
+
     def _local_path(self, key: str) -> str | None:
         local = self.dataset.store.local_path(key)
         return None if local is None else str(local)
@@ -149,6 +162,7 @@ class BatchBuilder:
             for key, _, _ in rs or ():
                 if key not in paths:
                     paths[key] = self._local_path(key)
+        self._note_needed(ds.shard_keys[ds.shard_of(i)] for i in indices)
         missing = [key for key, path in paths.items() if path is None]
         if missing:  # not staged ahead (yet): fetch this batch's objects together
             self._record(ds.store.stage(missing))

@@ -62,6 +62,9 @@ class LoaderStats:
         }
         batches, samples = counts.get("batches", 0), counts.get("samples", 0)
         wait, step = seconds.get("wait", 0.0), seconds.get("step", 0.0)
+        # Objects read that this loader did not have to fetch were in the cache already.
+        counts["cache_misses"] = counts.get("cache_misses", 0)
+        counts["cache_hits"] = max(0, counts.pop("objects_needed", 0) - counts["cache_misses"])
         return {
             **info,
             "elapsed_s": round(elapsed, 6),
