@@ -554,6 +554,7 @@ class _Iteration:
         self.index_pass = loader._resumable.current
         self.batches_before = batches_before
         self.counted = counted  # the source yields (samples, batch) pairs
+        self._batched = loader._auto_collation
         self.batches = 0
         self.samples = 0
         self.finished = False
@@ -581,8 +582,9 @@ class _Iteration:
         if self.counted:
             samples, batch = item
         else:
-            samples, batch = 0, item
+            samples, batch = _batch_length(item, self._batched), item
             self._stats.count("batches")
+            self._stats.count("samples", samples)
         if self._put is not None:
             batch = self._put(batch)
         batch = self._deliver(batch)
@@ -616,6 +618,25 @@ class _Iteration:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _batch_length(batch: Any, batched: bool) -> int:
+    """Samples in a torch-path batch (for stats): the leading size of its first tensor, or
+    the length of its first list; 1 without auto-batching."""
+    if not batched:
+        return 1
+    while True:
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.dim() else 1
+        if isinstance(batch, Mapping) and batch:
+            batch = next(iter(batch.values()))
+        elif isinstance(batch, list | tuple) and batch:
+            first = batch[0]
+            if not isinstance(first, torch.Tensor | Mapping | list | tuple):
+                return len(batch)
+            batch = first
+        else:
+            return 0
 
 
 __all__ = ["DataLoader"]

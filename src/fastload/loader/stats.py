@@ -71,7 +71,8 @@ class LoaderStats:
             "batches": batches,
             "samples": samples,
             "samples_per_s": round(samples / elapsed, 3) if elapsed > 0 else 0.0,
-            # The share of the training loop's time spent waiting for the next batch.
+            # The share of the training loop's time spent waiting for the next batch, timed
+            # inside the loader's __next__ (freeing the previous batch counts as the step).
             "wait_fraction": round(wait / (wait + step), 6) if wait + step > 0 else 0.0,
             "stages": stages,
             "counts": {k: v for k, v in sorted(counts.items()) if k not in stages},
