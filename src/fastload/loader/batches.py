@@ -41,9 +41,18 @@ def _noted(error: BaseException, stage: str) -> BaseException:
     return error
 
 
-class _ThreadBuffers(threading.local):
-    reader: BatchReader | None = None
-    buffer: Any = None
+class _ReadContext:
+    """A native reader and its page-aligned buffer, lent to one batch at a time: kept across
+    epochs (a loader's threads are not), so buffers are not reallocated each pass."""
+
+    def __init__(self) -> None:
+        self.reader = BatchReader(num_threads=2)
+        self.buffer: Any = None
+
+    def buffer_of(self, nbytes: int) -> Any:
+        if self.buffer is None or self.buffer.nbytes < nbytes:
+            self.buffer = aligned_empty(max(nbytes, 1 << 20) * 5 // 4)
+        return self.buffer
 
 
 class BatchBuilder:
@@ -66,7 +75,8 @@ class BatchBuilder:
         self.decoder = decoder
         self.stats = stats
         self.on_device = on_device
-        self._local = _ThreadBuffers()
+        self._contexts: list[_ReadContext] = []  # idle ones
+        self._contexts_lock = threading.Lock()
         self._staged: dict[str, None] = {}  # recently staged keys (insertion-ordered, bounded)
         self._needed: set[str] = set()  # objects this pass has read
         self._needed_lock = threading.Lock()
@@ -103,9 +113,20 @@ class BatchBuilder:
 
     def load(self, item: Any, epoch: int) -> Any:
         indices = [int(i) for i in item] if self.batched else [int(item)]
+        with self._contexts_lock:
+            context = self._contexts.pop() if self._contexts else None
+        if context is None:
+            context = _ReadContext()
+        try:
+            return self._load(indices, epoch, context)
+        finally:
+            with self._contexts_lock:
+                self._contexts.append(context)
+
+    def _load(self, indices: list[int], epoch: int, context: _ReadContext) -> Any:
         with self.stats.timed("read", len(indices)):
             try:
-                samples, parts = self._read(indices)
+                samples, parts = self._read(indices, context)
             except BaseException as e:
                 raise _noted(e, "read") from None
         if self.decoder is not None:
@@ -152,7 +173,9 @@ class BatchBuilder:
             return self.collate_fn(samples)
         return default_collate(samples)
 
-    def _read(self, indices: list[int]) -> tuple[list[Any], list[list[memoryview] | None]]:
+    def _read(
+        self, indices: list[int], context: _ReadContext
+    ) -> tuple[list[Any], list[list[memoryview] | None]]:
         """Each sample (as ``dataset[index]`` gives it) and, for natively read ones, the
         views of its bytes in this thread's buffer (valid until its next read)."""
         ds = self.dataset
@@ -172,7 +195,7 @@ class BatchBuilder:
         parts: list[list[memoryview] | None] = [None] * len(indices)
         if any(native):
             try:
-                parts = self._read_native(ranges, native, paths)
+                parts = self._read_native(ranges, native, paths, context)
             except (OSError, FastloadError):
                 # Evicted between lookup and read, or changed: the cache path copes.
                 self.stats.count("native_read_fallbacks")
@@ -192,14 +215,10 @@ class BatchBuilder:
         ranges: list[list[Range] | None],
         native: list[bool],
         paths: dict[str, str | None],
+        context: _ReadContext,
     ) -> list[list[memoryview] | None]:
         total = sum(n for rs, ok in zip(ranges, native, strict=True) if ok for _, _, n in rs or ())
-        local = self._local
-        if local.reader is None:
-            local.reader = BatchReader(num_threads=2)
-        if local.buffer is None or local.buffer.nbytes < total:
-            local.buffer = aligned_empty(max(total, 1 << 20) * 5 // 4)
-        buffer = local.buffer
+        buffer = context.buffer_of(total)
         requests = []
         where: list[list[tuple[int, int]] | None] = []
         at = 0
@@ -213,7 +232,7 @@ class BatchBuilder:
                 spans.append((at, length))
                 at += length
             where.append(spans)
-        local.reader.read(requests, exact=True)
+        context.reader.read(requests, exact=True)
         self.stats.count("bytes_read", at)
         view = memoryview(buffer)
         return [None if spans is None else [view[a : a + n] for a, n in spans] for spans in where]
