@@ -17,8 +17,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
-import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import process_group
 import pytest
 import torch
 from test_loader import SIZE, TOTAL, Source, raw_indices, write_source
@@ -312,48 +311,9 @@ def test_a_world_size_change_can_happen_twice(source: Source, tmp_path: Path) ->
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _run_group(world_size: int, out: Path, args: list[str]) -> list[dict[str, Any]]:
     """Runs this file as ``world_size`` ranks of one gloo group; returns each rank's result."""
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(world_size),
-        "GLOO_SOCKET_IFNAME": "lo",
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    logs = [out / f"rank{rank}.log" for rank in range(world_size)]
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank in range(world_size):
-            with open(logs[rank], "wb") as log:  # a file, not a pipe: no child blocks on it
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, __file__, "--out", str(out / f"rank{rank}.json"), *args],
-                        env={**env, "RANK": str(rank)},
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        for p in procs:
-            p.wait(timeout=GROUP_TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, (
-            f"rank {rank} exited with {p.returncode}:\n{logs[rank].read_text()}"
-        )
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return process_group.run_group(__file__, world_size, out, args, timeout_s=GROUP_TIMEOUT_S)
 
 
 @pytest.mark.dist

@@ -10,14 +10,13 @@ import argparse
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import process_group
 import pytest
 
 SIZES = [11, 4, 9, 16, 7, 13, 2, 10, 8, 5, 12, 3]  # 100 samples in 12 shards
@@ -33,49 +32,11 @@ class ShardedDataset:
         return sum(self.shard_sizes)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def run_group(world_size: int, out: Path, args: list[str]) -> list[dict[str, Any]]:
     """Runs this file as ``world_size`` ranks of one gloo group; returns each rank's result."""
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(world_size),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONWARNINGS": "error",
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    logs = [out / f"rank{rank}.log" for rank in range(world_size)]
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank in range(world_size):
-            with open(logs[rank], "wb") as log:  # a file, not a pipe: no child blocks on it
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, __file__, "--out", str(out / f"rank{rank}.json"), *args],
-                        env={**env, "RANK": str(rank)},
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        for p in procs:
-            p.wait(timeout=GROUP_TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, (
-            f"rank {rank} exited with {p.returncode}:\n{logs[rank].read_text()}"
-        )
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return process_group.run_group(
+        __file__, world_size, out, args, timeout_s=GROUP_TIMEOUT_S, env={"PYTHONWARNINGS": "error"}
+    )
 
 
 @pytest.mark.dist
