@@ -2,13 +2,15 @@
 #   make test         lint + C++ tests + the whole pytest suite (what CI runs)
 #   make bench-quick  the main job: `fastload bench --quick` on a generated dataset
 #   make bench        the full benchmark
+#   make bench-peers  .venv-peers: the peers that need torchvision (mosaicml-streaming,
+#                     litdata; ~5.5 GB with CUDA torch); `make bench` then measures them too
 #   make lint / make format
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 NATIVE_SOURCES := $(wildcard native/*.cpp native/*.hpp native/tests/*.cpp)
 
-.PHONY: install test test-native lint format bench bench-quick clean
+.PHONY: install test test-native lint format bench bench-quick bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,11 +41,19 @@ test-native: install
 test: lint test-native
 	$(BIN)/python -m pytest
 
+# The bench extra (matplotlib, for the chart), without reinstalling fastload itself.
+BENCH_EXTRA := "matplotlib>=3.7"
+
 bench-quick: install
+	$(BIN)/python -m pip install -q $(BENCH_EXTRA)
 	$(BIN)/fastload bench --quick
 
 bench: install
+	$(BIN)/python -m pip install -q $(BENCH_EXTRA)
 	$(BIN)/fastload bench
+
+bench-peers: install
+	PYTHON=$(PYTHON) scripts/bench-peers .venv-peers
 
 clean:
 	rm -rf build fastload-bench .pytest_cache .mypy_cache .ruff_cache

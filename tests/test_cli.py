@@ -62,15 +62,16 @@ def test_bad_usage_exits_2(args) -> None:
     assert "usage: fastload" in out.stderr
 
 
-def test_bench_on_a_user_url_is_not_available_yet() -> None:
-    out = run("bench", "s3://bucket/data")
-    assert out.returncode == 2
-    assert "#7" in out.stderr
+def test_bench_on_a_missing_dataset_fails_with_one_line(tmp_path: Path) -> None:
+    out = run("bench", str(tmp_path / "missing"), "--out", str(tmp_path / "results"))
+    assert out.returncode == 1
+    assert "missing" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 @pytest.mark.slow
 def test_bench_quick_prints_the_table_and_writes_json(tmp_path: Path) -> None:
-    out = run("bench", "--quick", "--out", str(tmp_path / "results"))
+    out = run("bench", "--components", "--quick", "--out", str(tmp_path / "results"))
     assert out.returncode == 0, out.stderr
     assert "cat > /dev/null" in out.stdout
     assert "fastload native reader" in out.stdout

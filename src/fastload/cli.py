@@ -7,6 +7,7 @@ command whose work is still open.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -166,12 +167,41 @@ def _pending(command: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.url is not None:
-        raise NotYetAvailableError(
-            "'fastload bench URL' (a user's own dataset) is not available yet (issue #7); "
-            "run 'fastload bench' without a URL for the built-in benchmark"
-        )
-    from fastload.bench import decode_bench, policy_bench, read_bench, stage_bench
+    if args.components:
+        if args.url is not None:
+            raise UsageError("--components runs on generated data; leave out the URL")
+        return _bench_components(args)
+    from fastload.bench import e2e_bench, e2e_report
+
+    config = e2e_bench.E2EConfig.quick() if args.quick else e2e_bench.E2EConfig()
+    changes: dict[str, Any] = {
+        "latency_s": None if args.latency_ms is None else args.latency_ms / 1000,
+        "workers": args.workers,
+        "step_s": None if args.step_ms is None else args.step_ms / 1000,
+        "epochs": args.epochs,
+        "systems": tuple(args.system) if args.system else None,
+        "layouts": tuple(args.layout) if args.layout else None,
+    }
+    if args.bandwidth is not None:
+        changes["bandwidth_bytes_per_s"] = args.bandwidth or None  # 0: no cap
+    try:
+        config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out)
+    where = args.url or f"{config.data.samples:,} generated JPEGs in {out / 'data'}"
+    print(f"fastload {fastload.__version__} bench: end to end on {where}", flush=True)
+    if args.url is None:
+        report = e2e_bench.run(out, config)
+    else:
+        report = e2e_bench.run_url(args.url, out, config)
+    print(e2e_report.summary(report))
+    print("\n".join(e2e_report.write(report, out)), flush=True)
+    return 0
+
+
+def _bench_components(args: argparse.Namespace) -> int:
+    from fastload.bench import decode_bench, loader_bench, policy_bench, read_bench, stage_bench
 
     quick, out = args.quick, Path(args.out)
     data = out / "data"
@@ -179,6 +209,7 @@ def _bench(args: argparse.Namespace) -> int:
     stage = stage_bench.StageBenchConfig.quick() if quick else stage_bench.StageBenchConfig()
     policy = policy_bench.PolicyBenchConfig.quick() if quick else policy_bench.PolicyBenchConfig()
     decode = decode_bench.DecodeBenchConfig.quick() if quick else decode_bench.DecodeBenchConfig()
+    loader = loader_bench.LoaderBenchConfig.quick() if quick else loader_bench.LoaderBenchConfig()
     benchmarks: list[tuple[str, Path, Callable[[Path], Report]]] = [
         ("reading cached bytes", data, lambda d: read_bench.run(d, read)),
         ("staging from a remote over HTTP", data / "stage", lambda d: stage_bench.run(d, stage)),
@@ -192,6 +223,11 @@ def _bench(args: argparse.Namespace) -> int:
             data / "decode",
             lambda d: decode_bench.run(d, decode),
         ),
+        (
+            "fl.DataLoader against torch's DataLoader",
+            data / "loader",
+            lambda d: loader_bench.run(d, loader),
+        ),
     ]
     for title, where, run in benchmarks:
         print(f"fastload {fastload.__version__} bench: {title} (data in {where})", flush=True)
@@ -201,6 +237,11 @@ def _bench(args: argparse.Namespace) -> int:
             print("\n".join(stage_bench.fastload_vs_peers(report)))
         print(f"wrote {report.write_json(out)}\n", flush=True)
     return 0
+
+
+def _bandwidth(text: str) -> int:
+    """'100M' (bytes/s per connection), or 0/'none' for no cap."""
+    return 0 if text.strip().lower() in ("0", "none", "off") else parse_size(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,10 +278,35 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--json", action="store_true")
     cache.set_defaults(run=_cache)
 
-    bench = sub.add_parser("bench", help="measure fastload against its peers on the same data")
-    bench.add_argument("url", nargs="?", help="a dataset to measure (default: a generated one)")
-    bench.add_argument("--quick", action="store_true", help="small sizes: a minute or two")
+    bench = sub.add_parser(
+        "bench",
+        help="measure fastload against its peers end to end, on the same data",
+        description=(
+            "Runs the main job end to end (remote -> cache -> decode -> batches) for fastload "
+            "and the loaders users would pick instead, on a generated dataset served over S3 "
+            "with latency (or read-only on URL), and prints a table of ratios; writes "
+            "e2e.json and e2e.png to --out."
+        ),
+    )
+    bench.add_argument("url", nargs="?", help="your dataset, read-only (default: a generated one)")
+    bench.add_argument("--quick", action="store_true", help="600 images, folder + tar: ~1.5 min")
     bench.add_argument("--out", default="fastload-bench", help="results and generated data")
+    bench.add_argument("--latency-ms", type=float, help="per request (default 20)")
+    bench.add_argument(
+        "--bandwidth", type=_bandwidth, help="per connection, e.g. 100M (default) or none"
+    )
+    bench.add_argument("--workers", type=int, help="threads or worker processes (default 2)")
+    bench.add_argument("--step-ms", type=float, help="simulated training step (default 20)")
+    bench.add_argument("--epochs", type=int, help="the first is cold (default 3; --quick 2)")
+    bench.add_argument("--system", action="append", help="only this system (repeatable)")
+    bench.add_argument(
+        "--layout", action="append", choices=["folder", "tar", "zarr"], help="only this layout"
+    )
+    bench.add_argument(
+        "--components",
+        action="store_true",
+        help="the component benchmarks instead (read, stage, cache policy, decode, loader)",
+    )
     bench.set_defaults(run=_bench)
 
     doctor = sub.add_parser("doctor", help="where does the training step wait, and what it costs")

@@ -363,6 +363,30 @@ def _fastload_dali(work: Workload) -> Iterator[EpochFn]:
         yield _decoder_epochs(work, decoder)
 
 
+def dali_train_ops(
+    dali: Any, jpegs: Any, preset: TrainPreset, *, device: str = "cpu", **decoder_options: Any
+) -> Any:
+    """DALI's train graph as its users write it: a random-crop decode (only the crop is
+    decoded), resize, random flip, normalize to float CHW."""
+    fn, types = dali.fn, dali.types
+    images = fn.decoders.image_random_crop(
+        jpegs,
+        device=device,
+        random_area=list(preset.scale),
+        random_aspect_ratio=list(preset.ratio),
+        **decoder_options,
+    )
+    images = fn.resize(images, resize_x=preset.size, resize_y=preset.size)
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT,
+        output_layout="CHW",
+        mean=[255 * m for m in preset.mean],
+        std=[255 * s for s in preset.std],
+        mirror=fn.random.coin_flip(probability=preset.flip_p),
+    )
+
+
 @contextmanager
 def _dali_own_pipeline(work: Workload) -> Iterator[EpochFn]:
     """DALI as its users write it: its file reader, its random crop, its resize."""
@@ -370,34 +394,21 @@ def _dali_own_pipeline(work: Workload) -> Iterator[EpochFn]:
     fn, types = dali.fn, dali.types
 
     preset = work.preset
-    mean = [255 * m for m in preset.mean]
-    std = [255 * s for s in preset.std]
 
     @dali.pipeline_def  # type: ignore[untyped-decorator]
     def pipeline() -> Any:
         jpegs, _ = fn.readers.file(files=[str(p) for p in work.paths], name="reader")
         if isinstance(preset, TrainPreset):
-            images = fn.decoders.image_random_crop(
-                jpegs,
-                device="cpu",
-                random_area=list(preset.scale),
-                random_aspect_ratio=list(preset.ratio),
-            )
-            images = fn.resize(images, resize_x=preset.size, resize_y=preset.size)
-            mirror = fn.random.coin_flip(probability=preset.flip_p)
-            crop: tuple[int, ...] = ()
-        else:
-            images = fn.decoders.image(jpegs, device="cpu")
-            images = fn.resize(images, resize_shorter=preset.resize)
-            mirror, crop = 0, (preset.size, preset.size)
+            return dali_train_ops(dali, jpegs, preset)
+        images = fn.decoders.image(jpegs, device="cpu")
+        images = fn.resize(images, resize_shorter=preset.resize)
         return fn.crop_mirror_normalize(
             images,
             dtype=types.FLOAT,
             output_layout="CHW",
-            crop=crop or None,
-            mean=mean,
-            std=std,
-            mirror=mirror,
+            crop=(preset.size, preset.size),
+            mean=[255 * m for m in preset.mean],
+            std=[255 * s for s in preset.std],
         )
 
     pipe = pipeline(batch_size=work.batch_size, num_threads=work.workers, device_id=None, seed=0)

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastload.bench.decode_bench import dali_train_ops
 from fastload.bench.runner import Measurement, Report, machine_info, relate
 from fastload.decode.base import DecodeConfig
 from fastload.decode.params import TrainPreset
@@ -217,7 +218,7 @@ def dali_mixed_pipeline(
     DALI's operator schemas.
     """
     dali: Any = importlib.import_module("nvidia.dali")
-    fn, types = dali.fn, dali.types
+    fn = dali.fn
     preset = TrainPreset(size=config.size)
     pipe = dali.Pipeline(
         batch_size=config.batch_size,
@@ -227,30 +228,7 @@ def dali_mixed_pipeline(
     )
     with pipe:
         jpegs, _ = fn.readers.file(files=list(files), name="reader")
-        images = fn.decoders.image_random_crop(
-            jpegs,
-            device="mixed",
-            output_type=types.RGB,
-            random_area=list(preset.scale),
-            random_aspect_ratio=list(preset.ratio),
-            num_attempts=10,
-            **MIXED_OPTIONS,
-        )
-        images = fn.resize(
-            images,
-            resize_x=preset.size,
-            resize_y=preset.size,
-            interp_type=types.INTERP_LINEAR,
-            antialias=True,
-        )
-        output = fn.crop_mirror_normalize(
-            images,
-            dtype=types.FLOAT,
-            output_layout="CHW",
-            mean=[255 * m for m in preset.mean],
-            std=[255 * s for s in preset.std],
-            mirror=fn.random.coin_flip(probability=preset.flip_p),
-        )
+        output = dali_train_ops(dali, jpegs, preset, device="mixed", **MIXED_OPTIONS)
         pipe.set_outputs(output)
     return pipe, output
 

@@ -1,0 +1,45 @@
+"""End to end: a remote dataset to augmented batches, fastload against its peers.
+
+Command (full size: 3,000 generated JPEGs of ~105 KB in three layouts, served over S3 with
+20 ms per request and 100 MB/s per connection, 3 epochs, 2 workers, batch 64)::
+
+    .venv/bin/python benchmarks/benchmark_e2e.py --out fastload-bench
+
+``--quick`` takes 600 images, folder and tar only, 2 epochs. mosaicml-streaming and litdata
+run when ``make bench-peers`` has built ``.venv-peers``. Writes ``e2e.json`` (every figure,
+the machine) and ``e2e.png`` into ``--out`` and prints the table and fastload's ratio to
+each peer. ``fastload bench`` runs the same; see ``fastload.bench.e2e_bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from fastload.bench import e2e_bench, e2e_report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="fastload-bench")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--latency-ms", type=float, default=None)
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--system", action="append", help="only this system (repeatable)")
+    args = parser.parse_args()
+    config = e2e_bench.E2EConfig.quick() if args.quick else e2e_bench.E2EConfig()
+    changes = {
+        "latency_s": None if args.latency_ms is None else args.latency_ms / 1000,
+        "workers": args.workers,
+        "epochs": args.epochs,
+        "systems": tuple(args.system) if args.system else None,
+    }
+    config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
+    report = e2e_bench.run(args.out, config)
+    print(e2e_report.summary(report))
+    print("\n".join(e2e_report.write(report, args.out)))
+
+
+if __name__ == "__main__":  # the data generator starts processes (forkserver)
+    main()

@@ -1,0 +1,366 @@
+"""The main job end to end: a remote dataset to augmented training batches, side by side
+with the tools users would pick instead, on the same data and cores, in one run.
+
+Data (:mod:`fastload.bench.e2e_data`, generated once into ``<out>/data/e2e-<samples>``):
+natural-image-like JPEGs of ~105 KB in ~100 classes, as an ImageFolder, WebDataset tar
+shards, and a Zarr array of the same images (resized pixels). They are served by moto's S3
+(:class:`fastload.testing.S3Server`, in this process) that waits ``latency_s`` before each
+response and paces each to ``bandwidth_bytes_per_s`` (per connection, as object stores cap
+it), so "remote" behaves like object storage. Its counters give each run's bytes fetched
+and requests. moto is Python: its CPU time per request comes out of the same 2 cores
+(``server_cpu_s`` in the JSON).
+
+Systems (:data:`PLAN`; :mod:`fastload.bench.e2e_peers` has their code), each on every
+layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`), with
+``workers`` threads or worker processes, batch ``batch_size``, the train preset
+(RandomResizedCrop ``size`` + flip + normalize, float32):
+
+* ``fastload``: ``fl.DataLoader(fl.open_dataset(url, ...), shuffle=True, decode="cpu",
+  transform=TrainPreset(size))``; on Zarr, whose rows are pixels, the preset's torch ops
+  run in ``collate_fn``.
+* ``torch DataLoader + fsspec``: s3fs in each worker: a GET per file (folder), whole shards
+  streamed through a shuffle buffer (tar, as WebDataset does), zarr-python rows (zarr).
+* ``torch DataLoader + fsspec filecache::``: the same through fsspec's whole-file cache.
+* ``DALI reader + CPU pipeline``: ``readers.file`` / ``readers.webdataset`` on a local copy
+  fetched first with ``fs.get`` (its cold epoch includes that download); no Zarr reader.
+* ``mosaicml-streaming`` and ``litdata``: after their own conversion of the folder (MDS;
+  ``optimize``, timed as ``prep s``, not part of any epoch), uploaded beside the other
+  layouts, read by their streaming datasets. They need torchvision, so they run with
+  ``.venv-peers``' Python (``make bench-peers``); without it they are skipped, with a note.
+
+The torch-based peers decode with simplejpeg and torch ops (``decode_bench.TorchOps``).
+
+Figures per (system, layout), measured by :mod:`fastload.bench.e2e_child`: the cold epoch
+(empty caches, timed from opening the dataset), the warm epochs, time to the first batch,
+resume latency (half an epoch, the state, a fresh loader from it, time to its next batch,
+and whether the rest of the epoch was exactly what was left), the share of the epoch the
+training loop waited for data (it sleeps ``step_s`` per batch for the training step),
+bytes and requests the server answered, CPU seconds of the process and its workers, its
+peak RSS (``VmHWM``) and the peak PSS of its whole process tree, workers included
+(sampled; shared pages counted once). An epoch stops after ``epoch_budget_s`` (its rate
+is then over what it delivered, and the row says so), except the cold epoch of a system
+that caches, which runs to its end so that its warm epochs are warm; ``--quick`` cuts
+those too, at ``cold_epoch_budget_s``, and the row says so.
+:mod:`fastload.bench.e2e_report` makes the table, the JSON and the chart.
+
+Command (full size: 3,000 images, 3 epochs, 20 ms latency, 100 MB/s per connection)::
+
+    .venv/bin/python benchmarks/benchmark_e2e.py --out fastload-bench   # = fastload bench
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastload.bench import e2e_report
+from fastload.bench.e2e_data import DataConfig, GeneratedData, generate
+from fastload.bench.e2e_process import child_env, default_peers_python, probe_python, run_child
+from fastload.bench.e2e_report import LAYOUT_NAMES, Run
+from fastload.bench.runner import Report
+from fastload.testing import RemoteBehavior, S3Server
+
+FASTLOAD = e2e_report.FASTLOAD
+FSSPEC = "torch DataLoader + fsspec"
+FILECACHE = "torch DataLoader + fsspec filecache::"
+DALI = "DALI reader + CPU pipeline"
+MOSAIC = "mosaicml-streaming"
+LITDATA = "litdata"
+
+LAYOUTS = ("folder", "tar", "zarr")
+PLAN: dict[str, tuple[str, ...]] = {  # the layouts each system reads
+    FASTLOAD: LAYOUTS,
+    FSSPEC: LAYOUTS,
+    FILECACHE: LAYOUTS,
+    DALI: ("folder", "tar"),
+    MOSAIC: ("mds",),  # its own format, converted from the folder
+    LITDATA: ("litdata",),  # likewise
+}
+NO_ZARR = {DALI: "DALI has no Zarr reader"}  # said in the table where Zarr is measured
+NO_CACHE = {FSSPEC}  # every epoch of these fetches everything again
+CONVERSIONS = {MOSAIC: "mds", LITDATA: "litdata"}  # system -> its converted layout
+PEERS_VENV_MODULES = {MOSAIC: "streaming", LITDATA: "litdata"}  # system -> module it needs
+URL_SYSTEMS = (FASTLOAD, FSSPEC, FILECACHE)  # need neither a conversion nor a full copy
+BUCKET = "fastload-bench"
+
+
+@dataclass(frozen=True, kw_only=True)
+class E2EConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    batch_size: int = 64
+    workers: int = 2  # threads for fastload, worker processes or threads for the peers
+    epochs: int = 3  # the first is cold
+    step_s: float = 0.02  # the simulated training step after each batch
+    latency_s: float = 0.02
+    bandwidth_bytes_per_s: float | None = 100e6  # per connection; None: no cap
+    size: int = 224
+    seed: int = 0
+    epoch_budget_s: float = 30.0
+    cold_epoch_budget_s: float | None = None  # None: systems that cache finish it
+    run_timeout_s: float = 900.0
+    resume: bool = True
+    systems: tuple[str, ...] | None = None  # None: every system of PLAN
+    layouts: tuple[str, ...] = LAYOUTS
+    conversion_peers: bool = True  # mosaicml-streaming and litdata (they convert first)
+    peers_python: str | None = None  # None: $FASTLOAD_PEERS_PYTHON, else ./.venv-peers
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "epochs", "size", "epoch_budget_s", "run_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.cold_epoch_budget_s is not None and self.cold_epoch_budget_s <= 0:
+            raise ValueError(f"cold_epoch_budget_s must be > 0, got {self.cold_epoch_budget_s}")
+        if self.workers < 0 or self.step_s < 0 or self.latency_s < 0:
+            raise ValueError("workers, step_s and latency_s must be >= 0")
+        if self.bandwidth_bytes_per_s is not None and self.bandwidth_bytes_per_s <= 0:
+            raise ValueError("bandwidth_bytes_per_s must be > 0, or None for no cap")
+        unknown = set(self.systems or ()) - set(PLAN)
+        if unknown:
+            raise ValueError(f"systems must be among {sorted(PLAN)}, got {sorted(unknown)}")
+        if not self.layouts or set(self.layouts) - set(LAYOUTS):
+            raise ValueError(f"layouts must be among {LAYOUTS}, got {self.layouts}")
+
+    @classmethod
+    def quick(cls) -> E2EConfig:
+        """Under two minutes on 2 cores: 600 images, folder and tar, a cold and a warm
+        epoch; the conversion peers and Zarr are left to the full run."""
+        return cls(
+            data=DataConfig(samples=600),
+            epochs=2,
+            epoch_budget_s=4.0,
+            cold_epoch_budget_s=10.0,
+            run_timeout_s=120.0,
+            layouts=("folder", "tar"),
+            conversion_peers=False,
+        )
+
+
+def upload(server: S3Server, local_dir: Path, prefix: str, threads: int = 8) -> int:
+    """Every file under ``local_dir`` to ``BUCKET/prefix/...``, several at a time."""
+    server.create_bucket(BUCKET)
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+
+    def put(path: Path) -> int:
+        data = path.read_bytes()
+        server.put(BUCKET, f"{prefix}/{path.relative_to(local_dir).as_posix()}", data)
+        return len(data)
+
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(put, files))
+
+
+def convert(python: str, kind: str, folder: Path, dest: Path, work: Path, workers: int) -> float:
+    """A peer's own conversion of the folder, with the peers' Python; its seconds."""
+    cmd = [python, "-m", "fastload.bench.e2e_child", "convert", kind, str(folder), str(dest)]
+    out = subprocess.run(
+        [*cmd, str(max(1, workers))],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=child_env(work),
+        check=False,
+    )
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{kind}: exit {out.returncode}: {tail[:300]}")
+    seconds: float = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+    return seconds
+
+
+def _dali_installed() -> bool:
+    return importlib.util.find_spec("nvidia") is not None and (
+        importlib.util.find_spec("nvidia.dali") is not None
+    )
+
+
+def _skip_reason(
+    config: E2EConfig,
+    system: str,
+    data: GeneratedData,
+    peers_python: str | None,
+    peer_versions: dict[str, str | None],
+) -> str:
+    module = PEERS_VENV_MODULES.get(system)
+    if module is not None:
+        if not config.conversion_peers:
+            return "left out of --quick (conversion and start-up); `fastload bench` runs it"
+        if peers_python is None:
+            return "not installed: `make bench-peers` builds .venv-peers (it needs torchvision)"
+        if not peer_versions.get(module):
+            return f"{module} does not import with {peers_python}: rerun `make bench-peers`"
+    if system == DALI and not _dali_installed():
+        return "not installed: pip install nvidia-dali-cuda130 (its CPU pipeline needs no GPU)"
+    return ""
+
+
+def _cold_budget(config: E2EConfig, system: str) -> float | None:
+    if config.cold_epoch_budget_s is not None:
+        return config.cold_epoch_budget_s
+    return config.epoch_budget_s if system in NO_CACHE else None
+
+
+def _workers(config: E2EConfig) -> str:
+    return f"{config.workers} worker{'s' if config.workers != 1 else ''}"
+
+
+def _slug(system: str, layout: str) -> str:
+    name = "".join(c if c.isalnum() else "-" for c in f"{system}-{layout}".lower())
+    return "-".join(filter(None, name.split("-")))
+
+
+def _spec(config: E2EConfig, system: str, layout: str, url: str, **more: Any) -> dict[str, Any]:
+    return {
+        "system": system,
+        "layout": layout,
+        "url": url,
+        "batch_size": config.batch_size,
+        "workers": config.workers,
+        "epochs": config.epochs,
+        "step_s": config.step_s,
+        "epoch_budget_s": config.epoch_budget_s,
+        "cold_budget_s": _cold_budget(config, system),
+        "size": config.size,
+        "seed": config.seed,
+        "resume": config.resume,
+        **more,
+    }
+
+
+def _measure(python: str, spec: dict[str, Any], work: Path, server: S3Server | None,
+             config: E2EConfig, where: str) -> Run:  # fmt: skip
+    print(f"  {spec['system']} on {where} ...", end="", flush=True)
+    one = run_child(
+        python, spec, work / _slug(spec["system"], spec["layout"]), server, config.run_timeout_s
+    )
+    print(f" {one.wall_s or 0:.1f} s, {one.status}", flush=True)
+    return one
+
+
+def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Report:
+    """Generates (or reuses) the dataset, serves it, measures every system on every layout
+    it reads; see the module docstring."""
+    config = config or E2EConfig()
+    out = Path(out_dir)
+    data = generate(out / "data" / f"e2e-{config.data.samples}", config.data)
+    work = out / "work" / "e2e"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    wanted = [s for s in PLAN if config.systems is None or s in config.systems]
+    peers_python = config.peers_python or default_peers_python()
+    peer_versions: dict[str, str | None] = {}
+    if peers_python and config.conversion_peers and set(wanted) & set(PEERS_VENV_MODULES):
+        modules = ["torch", "torchvision", "fsspec", *PEERS_VENV_MODULES.values()]
+        peer_versions = probe_python(peers_python, modules, work)
+    runs: list[Run] = []
+    local = {"folder": data.folder, "tar": data.tar}
+    if data.zarr is not None:
+        local["zarr"] = data.zarr
+    prep: dict[str, float] = {}
+    for system in wanted:
+        kind = CONVERSIONS.get(system)
+        if kind is None or _skip_reason(config, system, data, peers_python, peer_versions):
+            continue
+        assert peers_python is not None
+        try:
+            prep[system] = convert(
+                peers_python, kind, data.folder, work / kind, work, config.workers
+            )
+            local[kind] = work / kind
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            runs.append(Run(system, kind, "failed", f"its conversion failed: {e}"))
+    with S3Server() as server:
+        for prefix, path in local.items():  # uploads go fast: no latency yet
+            upload(server, path, prefix)
+        server.set_behavior(
+            RemoteBehavior(
+                latency_s=config.latency_s, bandwidth_bytes_per_s=config.bandwidth_bytes_per_s
+            )
+        )
+        for system in wanted:
+            for layout in PLAN[system]:
+                if layout in LAYOUTS and layout not in config.layouts:
+                    continue
+                skip = _skip_reason(config, system, data, peers_python, peer_versions)
+                if layout == "zarr" and data.zarr is None:
+                    skip = "no Zarr layout: zarr-python is not installed (pip install zarr)"
+                if skip or (system in CONVERSIONS and system not in prep):
+                    if skip:
+                        runs.append(Run(system, layout, "skipped", skip))
+                    continue
+                python = peers_python if system in PEERS_VENV_MODULES else sys.executable
+                assert python is not None
+                spec = _spec(
+                    config,
+                    system,
+                    layout,
+                    f"s3://{BUCKET}/{layout}",
+                    storage_options=server.storage_options,
+                    endpoint_url=server.endpoint_url,
+                    work_dir=str(work / _slug(system, layout) / "data"),
+                    samples=data.samples,
+                )
+                one = _measure(python, spec, work, server, config, LAYOUT_NAMES[layout])
+                one.prep_s = prep.get(system)
+                runs.append(one)
+            if system in NO_ZARR and "zarr" in config.layouts and data.zarr is not None:
+                runs.append(Run(system, "zarr", "skipped", NO_ZARR[system]))
+    title = (
+        f"fastload bench: {data.samples:,} JPEGs from S3 at {config.latency_s * 1000:g} ms "
+        f"per request, {_workers(config)}, batch {config.batch_size}"
+    )
+    peers = {"python": peers_python, "modules": peer_versions} if peer_versions else None
+    return e2e_report.build(asdict(config), title, data, runs, peers)
+
+
+def run_url(
+    url: str,
+    out_dir: str | os.PathLike[str],
+    config: E2EConfig | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> Report:
+    """The same measurements, read-only, on a user's dataset: fastload and the peers that
+    need neither a conversion nor a full local copy (the fsspec ones). Credentials and
+    endpoints come from ``storage_options`` or wherever fsspec already looks."""
+    from fastload.datasets import detect_format
+    from fastload.datasets.base import DatasetError
+    from fastload.manifest import list_dataset
+
+    config = config or E2EConfig()
+    work = Path(out_dir) / "work" / "e2e-url"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    listing = list_dataset(url, storage_options)  # RemoteError, naming the URL, if it cannot
+    fmt, why = detect_format([o.key for o in listing])
+    layout = {"imagefolder": "folder", "tar": "tar", "zarr": "zarr"}.get(fmt)
+    if layout is None:
+        raise DatasetError(
+            f"{url} looks like format {fmt!r} ({why}); the benchmark reads image folders, "
+            "WebDataset tar shards (.jpg, .cls) or Zarr groups with 'images' and 'labels'"
+        )
+    runs = []
+    for system in [s for s in PLAN if config.systems is None or s in config.systems]:
+        if system not in URL_SYSTEMS:
+            needs = "a full local copy" if system == DALI else "its own conversion"
+            runs.append(Run(system, layout, "skipped", f"needs {needs} first; not run on a URL"))
+            continue
+        spec = _spec(
+            config,
+            system,
+            layout,
+            url,
+            storage_options=storage_options or {},
+            endpoint_url=None,
+            work_dir=str(work / _slug(system, layout) / "data"),
+            samples=None,
+        )
+        runs.append(_measure(sys.executable, spec, work, None, config, url))
+    title = f"fastload bench {url} ({fmt}: {why}), {_workers(config)}"
+    return e2e_report.build({**asdict(config), "url": url}, title, None, runs, None)

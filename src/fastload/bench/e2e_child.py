@@ -1,0 +1,242 @@
+"""One (system, layout) of the end-to-end benchmark, measured in this process.
+
+``python -m fastload.bench.e2e_child run SPEC.json RESULT.json`` opens one system
+(:mod:`fastload.bench.e2e_peers`) on one layout of a dataset behind an S3 endpoint, runs
+its epochs as a training loop would (a simulated step after every batch), then, where the
+system offers it, saves its position mid-epoch and measures how long a fresh loader takes
+to deliver the next batch. The parent (:mod:`fastload.bench.e2e_bench`) counts the bytes
+its server sends at each mark this prints and samples memory; this process reports times,
+samples, CPU seconds and its peak RSS.
+
+``python -m fastload.bench.e2e_child convert mds|litdata FOLDER OUT WORKERS`` runs a
+peer's own conversion of an ImageFolder (mosaicml-streaming's ``MDSWriter``, litdata's
+``optimize``) and prints the seconds it took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import importlib
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastload.bench.e2e_peers import IMPORTS, SYSTEMS, Loader, Opener, RunSpec
+
+MARK = "@@fastload-e2e-mark "  # a line the parent snapshots the server's counters on
+
+
+def mark(name: str) -> None:
+    print(MARK + name, flush=True)
+
+
+def _epoch(
+    loader: Loader, epoch: int | None, spec: RunSpec, start: float, budget_s: float | None
+) -> dict[str, Any]:
+    """Iterate as training does: wait for a batch, then a simulated step of ``step_s``.
+    An epoch past ``budget_s`` (None: no budget) stops after its current batch."""
+    batches = loader.batches(epoch)
+    samples = count = 0
+    wait_s = 0.0
+    first: float | None = None
+    partial = False
+    try:
+        while True:
+            asked = time.perf_counter()
+            try:
+                n = next(batches)
+            except StopIteration:
+                break
+            now = time.perf_counter()
+            wait_s += now - asked
+            first = now - start if first is None else first
+            samples += n
+            count += 1
+            time.sleep(spec.step_s)
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                partial = True
+                break
+        seconds = time.perf_counter() - start  # stopping a cut epoch's loader is not counted
+    finally:
+        _close(batches)
+    return {
+        "seconds": seconds,
+        "samples": samples,
+        "batches": count,
+        "wait_s": wait_s,
+        "first_batch_s": first,
+        "partial": partial,
+    }
+
+
+def _resume(open_loader: Opener, spec: RunSpec, loader: Loader) -> dict[str, Any]:
+    """Half an epoch (or what ``epoch_budget_s`` allows), the state, a fresh loader from it;
+    the time to its first batch, and whether the rest of the epoch is exactly what was left
+    (checked where the rest fits the budget too)."""
+    if loader.no_resume:
+        return {"resume_s": None, "resume_note": f"resume n/a: {loader.no_resume}"}
+    batches = loader.batches(spec.epochs)
+    consumed = 0
+    half = math.ceil(loader.samples / spec.batch_size) // 2
+    start = time.perf_counter()
+    for _ in range(half):
+        consumed += next(batches)
+        if time.perf_counter() - start > spec.epoch_budget_s:
+            break
+    state = json.loads(json.dumps(loader.state_dict(), default=_jsonable))  # as checkpointed
+    _close(batches)
+    loader.close()
+    start = time.perf_counter()
+    fresh = open_loader(spec, state)
+    rest = fresh.batches(None)
+    remaining = next(rest)
+    resume_s = time.perf_counter() - start
+    complete = True
+    for n in rest:
+        remaining += n
+        if time.perf_counter() - start > spec.epoch_budget_s:
+            complete = False
+            break
+    _close(rest)
+    fresh.close()
+    return {
+        "resume_s": resume_s,
+        "resume_consumed": consumed,
+        "resume_remaining": remaining,
+        "resume_exact": consumed + remaining == loader.samples if complete else None,
+    }
+
+
+def _close(batches: Iterator[int]) -> None:
+    close = getattr(batches, "close", None)  # a generator: stops its loader's iteration
+    if close is not None:
+        close()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    raise TypeError(f"cannot save {type(value).__name__} in a checkpoint")
+
+
+def _cpu_s() -> tuple[float, float]:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # worker processes, once reaped
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak RSS: ``VmHWM``, which starts afresh at exec. (``ru_maxrss``
+    does not: Linux carries it over from the parent across fork and exec, and the parent
+    here holds the whole dataset in its S3 server.)"""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def measure(spec: RunSpec) -> dict[str, Any]:
+    """Every figure of one (system, layout) run; see the module docstring."""
+    open_loader = SYSTEMS[spec.system]
+    for module in IMPORTS[spec.system]:
+        with contextlib.suppress(ImportError):  # the system's own import says what is missing
+            importlib.import_module(module)
+    cpu_self, cpu_kids = _cpu_s()
+    start = time.perf_counter()
+    loader = open_loader(spec, None)
+    open_s = time.perf_counter() - start
+    epochs = [_epoch(loader, 0, spec, start, spec.cold_budget_s)]
+    epochs[0]["wait_s"] += open_s  # the training loop waits for the set-up too
+    mark("epoch 0")
+    for e in range(1, spec.epochs):
+        epochs.append(_epoch(loader, e, spec, time.perf_counter(), spec.epoch_budget_s))
+        mark(f"epoch {e}")
+    result: dict[str, Any] = {"open_s": open_s, "epochs": epochs, "samples": loader.samples}
+    if spec.resume:
+        result.update(_resume(open_loader, spec, loader))
+        mark("resume")
+    else:
+        result.update(resume_s=None, resume_note="not measured")
+    loader.close()
+    gc.collect()
+    end_self, end_kids = _cpu_s()
+    result.update(
+        extra=loader.extra,
+        loader_stats=getattr(loader, "stats", None),
+        cpu_s=(end_self - cpu_self) + (end_kids - cpu_kids),
+        peak_rss_bytes=peak_rss_bytes(),
+    )
+    return result
+
+
+# --- conversions (run in the peers' environment) --------------------------------------------
+
+
+def _folder_sample(path: str) -> dict[str, Any]:
+    """One ImageFolder file as a peer's record: the JPEG bytes and the class index."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return {"jpg": data, "cls": int(Path(path).parent.name.rsplit("_", 1)[-1])}
+
+
+def convert(kind: str, folder: str, out: str, workers: int) -> float:
+    """A peer's own conversion of the generated ImageFolder; returns its seconds."""
+    files = sorted(glob.glob(os.path.join(folder, "*", "*.jpg")))
+    shutil.rmtree(out, ignore_errors=True)
+    if kind == "mds":
+        streaming: Any = importlib.import_module("streaming")
+        start = time.perf_counter()
+        with streaming.MDSWriter(out=out, columns={"jpg": "bytes", "cls": "int"}) as writer:
+            for path in files:
+                writer.write(_folder_sample(path))
+        return time.perf_counter() - start
+    if kind == "litdata":
+        litdata: Any = importlib.import_module("litdata")
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):  # its progress lines
+            litdata.optimize(
+                fn=_folder_sample,
+                inputs=files,
+                output_dir=out,
+                chunk_bytes="64MB",
+                num_workers=workers,
+                mode="overwrite",
+            )
+        return time.perf_counter() - start
+    raise ValueError(f"conversion must be 'mds' or 'litdata', got {kind!r}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "run":
+        spec = RunSpec(**json.loads(Path(argv[1]).read_text()))
+        result = measure(spec)
+        Path(argv[2]).write_text(json.dumps(result, default=_jsonable))
+        return 0
+    if len(argv) == 5 and argv[0] == "convert":
+        print(json.dumps({"seconds": convert(argv[1], argv[2], argv[3], int(argv[4]))}))
+        return 0
+    print(
+        "usage: python -m fastload.bench.e2e_peers run SPEC RESULT | "
+        "convert mds|litdata FOLDER OUT WORKERS",
+        file=sys.stderr,
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,597 @@
+"""The systems of the end-to-end benchmark: fastload and the peers users would pick instead.
+
+Each is an :data:`Opener`: ``(spec, saved state or None) -> Loader``, a loader whose
+``batches(epoch)`` yields each batch's sample count. :mod:`fastload.bench.e2e_child` runs
+one of them in a process of its own and measures it.
+
+The peers decode as their users do without torchvision: simplejpeg, then torch ops for
+RandomResizedCrop + flip + normalize (``decode_bench.TorchOps``; the fastest non-fastload
+CPU path of the decode benchmark), in ``workers`` DataLoader processes. The peer libraries
+are imported here only, when their system runs (mosaicml-streaming and litdata live in
+``.venv-peers``).
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import glob
+import importlib
+import json
+import math
+import os
+import random
+import tarfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.utils.data as tud
+
+from fastload.bench.decode_bench import TorchOps, dali_train_ops
+from fastload.decode.cpu import decode_rgb
+from fastload.decode.params import TrainPreset
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg")
+
+Sample = tuple[torch.Tensor, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """What the parent asks one child to measure (written as JSON)."""
+
+    system: str
+    layout: str  # folder | tar | zarr | mds | litdata
+    url: str  # the layout's root on the remote, s3://bucket/prefix
+    storage_options: dict[str, Any]  # s3fs keyword arguments
+    endpoint_url: str | None  # for peers that configure boto3 themselves
+    work_dir: str  # caches and downloads of this run
+    batch_size: int
+    workers: int
+    epochs: int
+    step_s: float
+    epoch_budget_s: float
+    cold_budget_s: float | None  # None: the cold epoch runs to its end
+    size: int
+    seed: int
+    resume: bool
+    samples: int | None = None  # known size of the dataset (None: the system finds out)
+    labels: dict[str, int] = field(default_factory=dict)  # class folder -> index
+
+
+class Loader(Protocol):
+    """One system set up to iterate: ``batches(epoch)`` yields each batch's sample count
+    (``epoch=None`` continues where a loaded state left off)."""
+
+    samples: int  # per epoch
+    extra: dict[str, float]  # figures of the set-up (e.g. download seconds)
+    no_resume: str  # why the system cannot resume mid-epoch; "" where it can
+
+    def batches(self, epoch: int | None) -> Iterator[int]: ...
+
+    def state_dict(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+Opener = Callable[[RunSpec, Any], Loader]  # (spec, saved state or None) -> loader
+
+
+def _preset(spec: RunSpec) -> TrainPreset:
+    return TrainPreset(size=spec.size)
+
+
+def _remote(spec: RunSpec) -> tuple[Any, str]:
+    """(fsspec filesystem, root path) of the layout's URL."""
+    from fsspec.core import url_to_fs
+
+    fs, root = url_to_fs(spec.url, **spec.storage_options)
+    return fs, str(root).rstrip("/")
+
+
+def _mkdir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+# --- fastload -----------------------------------------------------------------------------
+
+
+class _FastloadLoader:
+    def __init__(self, spec: RunSpec, state: Any) -> None:
+        import fastload as fl
+
+        ds = fl.open_dataset(
+            spec.url,
+            cache_dir=_mkdir(os.path.join(spec.work_dir, "cache")),
+            storage_options=spec.storage_options,
+        )
+        self.samples = len(ds)
+        self.extra: dict[str, float] = {}
+        self.no_resume = ""
+        self.stats: dict[str, Any] | None = None
+        options: dict[str, Any] = {"decode": "cpu", "transform": _preset(spec)}
+        if ds.format == "zarr":
+            # fastload's decode takes encoded images; Zarr rows are pixels already, so the
+            # train preset's torch ops run in collate_fn, on fastload's threads.
+            options = {"collate_fn": _PixelBatch(_preset(spec), spec.seed)}
+        self.loader = fl.DataLoader(
+            ds,
+            batch_size=spec.batch_size,
+            shuffle=True,
+            num_workers=spec.workers,
+            seed=spec.seed,
+            **options,
+        )
+        if state is not None:
+            self.loader.load_state_dict(state)
+
+    def batches(self, epoch: int | None) -> Iterator[int]:
+        if epoch is not None:
+            self.loader.set_epoch(epoch)
+        for batch in self.loader:
+            yield len(batch[1])
+
+    def state_dict(self) -> Any:
+        return self.loader.state_dict()
+
+    def close(self) -> None:
+        if self.stats is None:  # per-stage busy/wait seconds, for the JSON
+            self.stats = self.loader.stats()
+        self.loader.close()
+
+
+class _PixelBatch:
+    """collate_fn for Zarr rows of HWC uint8 pixels: the train preset's torch ops, stacked."""
+
+    def __init__(self, preset: TrainPreset, seed: int) -> None:
+        self.ops = TorchOps(preset, seed)
+
+    def __call__(self, rows: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        images = torch.stack([self.ops(np.asarray(r["images"])) for r in rows])
+        return images, torch.tensor([int(r["labels"]) for r in rows])
+
+
+# --- torch DataLoader peers over fsspec ---------------------------------------------------
+
+
+class _PerProcess:
+    """Something opened lazily once per process (DataLoader workers fork; clients do not)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._pid = -1
+        self._value: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pid": -1, "_value": None}
+
+    def get(self) -> Any:
+        if self._pid != os.getpid():
+            self._value, self._pid = self._make(), os.getpid()
+        return self._value
+
+
+def _filesystem(spec: RunSpec, cached: bool) -> Callable[[], Any]:
+    """The URL's filesystem (s3fs), or it under fsspec's ``filecache::`` (whole files kept
+    on local disk)."""
+
+    def make() -> Any:
+        import fsspec
+
+        fs, _ = _remote(spec)
+        if not cached:
+            return fs
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        return fsspec.filesystem(
+            "filecache",
+            target_protocol=protocol,
+            target_options=spec.storage_options,
+            cache_storage=_mkdir(os.path.join(spec.work_dir, "filecache")),
+        )
+
+    return make
+
+
+def _read(fs: Any, path: str) -> bytes:
+    with fs.open(path, "rb") as f:
+        data: bytes = f.read()
+    return data
+
+
+class FolderFiles(tud.Dataset[Sample]):
+    """ImageFolder over fsspec: one object read per sample, decoded in the worker."""
+
+    def __init__(self, spec: RunSpec, paths: list[str], labels: list[int], cached: bool) -> None:
+        self.paths, self.labels = paths, labels
+        self.fs = _PerProcess(_filesystem(spec, cached))
+        self.ops = TorchOps(_preset(spec), spec.seed)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.ops(decode_rgb(_read(self.fs.get(), self.paths[i]))), self.labels[i]
+
+
+class TarStream(tud.IterableDataset[Sample]):
+    """WebDataset-style streaming: each worker reads whole shards in turn (a fresh shuffle
+    of the shards each epoch, split across workers) through a shuffle buffer."""
+
+    def __init__(self, spec: RunSpec, shards: list[str], samples: int, cached: bool) -> None:
+        self.shards, self.samples = shards, samples
+        self.fs = _PerProcess(_filesystem(spec, cached))
+        self.ops = TorchOps(_preset(spec), spec.seed)
+        self.seed = spec.seed
+        self.buffer = 4 * spec.batch_size
+        self.epoch = 0  # set before each epoch's workers start
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def _raw(self, shards: list[str]) -> Iterator[tuple[bytes, int]]:
+        """(image bytes, label) of each sample: members grouped by key as WebDataset does
+        (``KEY.jpg`` + ``KEY.cls``; label -1 where a sample has no ``.cls``)."""
+        fs = self.fs.get()
+        for shard in shards:
+            with fs.open(shard, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
+                key, image, label = None, None, -1
+                for member in tar:
+                    data = tar.extractfile(member)
+                    if data is None:
+                        continue
+                    base = member.name.rsplit("/", 1)[-1]
+                    stem, _, suffix = base.partition(".")
+                    if stem != key:
+                        if image is not None:
+                            yield image, label
+                        key, image, label = stem, None, -1
+                    if suffix.lower() in ("jpg", "jpeg"):
+                        image = data.read()
+                    elif suffix == "cls":
+                        label = int(data.read())
+                if image is not None:
+                    yield image, label
+
+    def __iter__(self) -> Iterator[Sample]:
+        info = tud.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        shards = rng.sample(self.shards, len(self.shards))[worker::workers]
+        rng = random.Random(rng.random() + worker)
+        buffer: list[tuple[bytes, int]] = []
+        for item in self._raw(shards):
+            buffer.append(item)
+            if len(buffer) >= self.buffer:
+                yield self._sample(buffer.pop(rng.randrange(len(buffer))))
+        rng.shuffle(buffer)
+        for item in buffer:
+            yield self._sample(item)
+
+    def _sample(self, item: tuple[bytes, int]) -> Sample:
+        return self.ops(decode_rgb(item[0])), item[1]
+
+
+class ZarrRows(tud.Dataset[Sample]):
+    """zarr-python over fsspec, a row per sample (the chunk holding it is read each time)."""
+
+    def __init__(self, spec: RunSpec, rows: int, cached: bool) -> None:
+        self.rows = rows
+        self.ops = TorchOps(_preset(spec), spec.seed)
+        make_fs = _filesystem(spec, cached)
+        _, root = _remote(spec)
+
+        def open_arrays() -> tuple[Any, npt.NDArray[np.int64]]:
+            import zarr
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            fs = make_fs()
+            if not getattr(fs, "async_impl", False):
+                fs = AsyncFileSystemWrapper(fs)  # zarr's store wants an async filesystem
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "not created with asynchronous=True"
+                store = zarr.storage.FsspecStore(fs=fs, path=root, read_only=True)
+                group: Any = zarr.open_group(store=store, mode="r")
+            return group["images"], np.asarray(group["labels"][:])  # labels once, as users do
+
+        self.arrays = _PerProcess(open_arrays)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int) -> Sample:
+        images, labels = self.arrays.get()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self.ops(np.asarray(images[i])), int(labels[i])
+
+
+def _zarr_rows(spec: RunSpec) -> int:
+    fs, root = _remote(spec)
+    for name, key in (("zarr.json", "shape"), (".zarray", "shape")):
+        path = f"{root}/images/{name}"
+        if fs.exists(path):
+            return int(json.loads(fs.cat_file(path))[key][0])
+    raise FileNotFoundError(f"no Zarr array 'images' under {spec.url}")
+
+
+class _TorchLoader:
+    """torch's DataLoader with ``workers`` worker processes, started each epoch (torch's
+    default; persistent workers would finish the batches in flight of an epoch cut at the
+    time budget before starting the next one)."""
+
+    def __init__(self, dataset: tud.Dataset[Sample], spec: RunSpec, map_style: bool) -> None:
+        self.samples = len(dataset)  # type: ignore[arg-type]
+        self.extra: dict[str, float] = {}
+        self.no_resume = "torch's DataLoader has no state_dict"
+        self.loader = tud.DataLoader(
+            dataset,
+            batch_size=spec.batch_size,
+            shuffle=map_style,
+            num_workers=spec.workers,
+        )
+
+    def batches(self, epoch: int | None) -> Iterator[int]:
+        if isinstance(self.loader.dataset, TarStream) and epoch is not None:
+            self.loader.dataset.epoch = epoch  # the workers fork with it
+        iterator = iter(self.loader)
+        try:
+            for _, labels in iterator:
+                yield len(labels)
+        finally:
+            _stop_workers(iterator)
+
+    def state_dict(self) -> Any:
+        raise NotImplementedError(self.no_resume)
+
+    def close(self) -> None:
+        pass  # each epoch's workers stop with it
+
+
+def _stop_workers(iterator: Any) -> None:
+    """Ends an epoch's DataLoader workers now. torch's own shutdown waits (up to 5 s) for
+    each worker to finish the batch it is making, which only an epoch cut at the time
+    budget leaves behind; that wait is the harness's, not the peer's."""
+    for worker in getattr(iterator, "_workers", []):
+        if worker.is_alive():
+            worker.terminate()
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def _torch_peer(cached: bool) -> Opener:
+    def open_loader(spec: RunSpec, state: Any) -> Loader:
+        fs, root = _remote(spec)
+        if spec.layout == "folder":
+            paths = sorted(p for p in fs.find(root) if p.lower().endswith(IMAGE_SUFFIXES))
+            labels = _folder_labels(spec, [p[len(root) + 1 :] for p in paths])
+            data: tud.Dataset[Sample] = FolderFiles(spec, paths, labels, cached)
+        elif spec.layout == "tar":
+            shards = sorted(p for p in fs.find(root) if p.endswith(".tar"))
+            data = TarStream(spec, shards, spec.samples or 0, cached)
+        elif spec.layout == "zarr":
+            data = ZarrRows(spec, _zarr_rows(spec), cached)
+        else:
+            raise ValueError(f"torch peers read folder, tar or zarr, not {spec.layout!r}")
+        return _TorchLoader(data, spec, map_style=spec.layout != "tar")
+
+    return open_loader
+
+
+def _folder_labels(spec: RunSpec, keys: list[str]) -> list[int]:
+    """Class index of each key: torchvision's ImageFolder order (sorted class folders)."""
+    classes = spec.labels or {c: i for i, c in enumerate(sorted({k.split("/")[0] for k in keys}))}
+    return [classes[k.split("/")[0]] for k in keys]
+
+
+# --- NVIDIA DALI's own reader and CPU pipeline (on a local copy) ---------------------------
+
+
+class _DALILoader:
+    """DALI as its users write it, on the files after downloading them (DALI reads local
+    files only): ``readers.file`` for the folder, ``readers.webdataset`` for tar shards,
+    ``decoders.image_random_crop`` + ``resize`` + ``crop_mirror_normalize``. Its
+    checkpointing gives the resume figure."""
+
+    def __init__(self, spec: RunSpec, state: Any) -> None:
+        self.extra: dict[str, float] = {}
+        self.no_resume = ""
+        local = os.path.join(spec.work_dir, "download")
+        if not os.path.isdir(local):  # the cold epoch includes the download
+            start = time.perf_counter()
+            fs, root = _remote(spec)
+            fs.get(root + "/", local + "/", recursive=True)
+            self.extra["download_s"] = time.perf_counter() - start
+        dali: Any = importlib.import_module("nvidia.dali")
+        fn = dali.fn
+        preset = _preset(spec)
+        if spec.layout == "folder":
+            files = sorted(glob.glob(os.path.join(local, "*", "*.jpg")))
+        elif spec.layout == "tar":
+            files = sorted(glob.glob(os.path.join(local, "*.tar")))
+        else:
+            raise ValueError(f"DALI reads folder or tar layouts, not {spec.layout!r}")
+
+        @dali.pipeline_def(enable_checkpointing=True)  # type: ignore[untyped-decorator]
+        def pipeline() -> Any:
+            if spec.layout == "folder":
+                jpegs, labels = fn.readers.file(
+                    file_root=local, random_shuffle=True, pad_last_batch=True, name="reader"
+                )
+            else:
+                jpegs, labels = fn.readers.webdataset(
+                    paths=files,
+                    ext=["jpg", "cls"],
+                    random_shuffle=True,
+                    pad_last_batch=True,
+                    name="reader",
+                )
+            return dali_train_ops(dali, jpegs, preset), labels
+
+        checkpoint: Any = None if state is None else state["checkpoint"]
+        self.done: int = 0 if state is None else int(state["done"])
+        if isinstance(checkpoint, str) and checkpoint.startswith("base64:"):
+            checkpoint = base64.b64decode(checkpoint[len("base64:") :])
+        self.pipe: Any = pipeline(
+            batch_size=spec.batch_size,
+            num_threads=spec.workers,
+            device_id=None,
+            seed=spec.seed,
+            checkpoint=checkpoint,
+        )
+        self.pipe.build()
+        self.samples = int(self.pipe.epoch_size("reader"))
+        self.batch_size = spec.batch_size
+
+    def batches(self, epoch: int | None) -> Iterator[int]:
+        iterations = math.ceil(self.samples / self.batch_size)
+        while self.done < iterations:
+            images, _ = self.pipe.run()
+            self.done += 1
+            # The reader pads the last batch with repeats: count the real samples only.
+            yield min(len(images), self.samples - (self.done - 1) * self.batch_size)
+        self.done = 0
+
+    def state_dict(self) -> Any:
+        checkpoint = self.pipe.checkpoint()  # bytes or str, by DALI version
+        if isinstance(checkpoint, bytes):
+            checkpoint = "base64:" + base64.b64encode(checkpoint).decode()
+        return {"checkpoint": checkpoint, "done": self.done}
+
+    def close(self) -> None:
+        self.pipe = None  # DALI frees its threads and buffers with the pipeline
+        gc.collect()
+
+
+# --- mosaicml-streaming and litdata (after their conversion step) --------------------------
+
+
+def _peer_loader(loader: Any, samples: int) -> Any:
+    class PeerLoader:
+        def __init__(self) -> None:
+            self.samples = samples
+            self.extra: dict[str, float] = {}
+            self.no_resume = ""
+            self.loader = loader
+
+        def batches(self, epoch: int | None) -> Iterator[int]:
+            iterator = iter(self.loader)
+            try:
+                for _, labels in iterator:
+                    yield len(labels)
+            finally:
+                shutdown = getattr(iterator, "_shutdown_workers", None)
+                if shutdown is not None:  # torch's own, gentle: these peers share memory
+                    shutdown()
+
+        def state_dict(self) -> Any:
+            return self.loader.state_dict()
+
+        def close(self) -> None:
+            self.loader = None
+            gc.collect()
+
+    return PeerLoader()
+
+
+def _mosaic(spec: RunSpec, state: Any) -> Loader:
+    streaming: Any = importlib.import_module("streaming")
+    ops = TorchOps(_preset(spec), spec.seed)
+
+    class Images(streaming.StreamingDataset):  # type: ignore[misc]
+        def __getitem__(self, i: int) -> Sample:
+            row = super().__getitem__(i)
+            return ops(decode_rgb(row["jpg"])), int(row["cls"])
+
+    # mosaicml-streaming reads S3 through boto3 configured from the environment only.
+    os.environ.update(_aws_env(spec))
+    streaming.base.util.clean_stale_shared_memory()
+    dataset = Images(
+        remote=spec.url,
+        local=_mkdir(os.path.join(spec.work_dir, "cache")),
+        shuffle=True,
+        shuffle_seed=spec.seed,
+        batch_size=spec.batch_size,
+    )
+    loader = streaming.StreamingDataLoader(
+        dataset,
+        batch_size=spec.batch_size,
+        num_workers=spec.workers,
+    )
+    if state is not None:
+        loader.load_state_dict(state)
+    return _peer_loader(loader, len(dataset))  # type: ignore[no-any-return]
+
+
+def _litdata(spec: RunSpec, state: Any) -> Loader:
+    litdata: Any = importlib.import_module("litdata")
+    downloader: Any = importlib.import_module("litdata.streaming.downloader")
+    # litdata fetches chunks with obstore, which refuses plain http unless told; the
+    # loopback endpoint is http (real S3 is https). Set before the workers fork.
+    options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    if isinstance(options, dict):
+        downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": True}
+    ops = TorchOps(_preset(spec), spec.seed)
+
+    class Images(litdata.StreamingDataset):  # type: ignore[misc]
+        def __getitem__(self, i: Any) -> Sample:
+            row = super().__getitem__(i)
+            return ops(decode_rgb(row["jpg"])), int(row["cls"])
+
+    env = _aws_env(spec)
+    dataset = Images(
+        input_dir=spec.url,
+        cache_dir=_mkdir(os.path.join(spec.work_dir, "cache")),
+        shuffle=True,
+        seed=spec.seed,
+        storage_options={
+            "endpoint_url": spec.endpoint_url,
+            "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
+        },
+    )
+    loader = litdata.StreamingDataLoader(
+        dataset, batch_size=spec.batch_size, num_workers=spec.workers
+    )
+    if state is not None:
+        loader.load_state_dict(state)
+    return _peer_loader(loader, len(dataset))  # type: ignore[no-any-return]
+
+
+def _aws_env(spec: RunSpec) -> dict[str, str]:
+    options = spec.storage_options
+    env = {
+        "AWS_ACCESS_KEY_ID": str(options.get("key", "")),
+        "AWS_SECRET_ACCESS_KEY": str(options.get("secret", "")),
+        "AWS_DEFAULT_REGION": os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+    }
+    if spec.endpoint_url:
+        env["S3_ENDPOINT_URL"] = spec.endpoint_url
+    return env
+
+
+# Imported before any timer starts (an import is no part of a loader's start-up).
+IMPORTS: dict[str, tuple[str, ...]] = {
+    "fastload": ("fastload", "fastload.loader"),
+    "torch DataLoader + fsspec": ("fsspec", "s3fs", "zarr"),
+    "torch DataLoader + fsspec filecache::": ("fsspec", "s3fs", "zarr"),
+    "DALI reader + CPU pipeline": ("fsspec", "s3fs", "nvidia.dali"),
+    "mosaicml-streaming": ("streaming",),
+    "litdata": ("litdata", "litdata.streaming.downloader"),
+}
+
+SYSTEMS: dict[str, Opener] = {
+    "fastload": _FastloadLoader,
+    "torch DataLoader + fsspec": _torch_peer(cached=False),
+    "torch DataLoader + fsspec filecache::": _torch_peer(cached=True),
+    "DALI reader + CPU pipeline": _DALILoader,
+    "mosaicml-streaming": _mosaic,
+    "litdata": _litdata,
+}

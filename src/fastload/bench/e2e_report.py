@@ -1,0 +1,319 @@
+"""The end-to-end benchmark's report: figures per run, ratios, the table, JSON and a chart."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastload.bench.e2e_data import GeneratedData
+from fastload.bench.runner import Measurement, Report, machine_info
+
+FASTLOAD = "fastload"
+LAYOUT_NAMES = {
+    "folder": "folder",
+    "tar": "tar shards",
+    "zarr": "zarr",
+    "mds": "MDS (from folder)",
+    "litdata": "litdata (from folder)",
+}
+LAYOUT_DESCRIPTIONS = {
+    "folder": "ImageFolder of the JPEGs",
+    "tar": "WebDataset tar shards (.jpg + .cls), shuffled order",
+    "zarr": "Zarr v3: images (N, 256, 256, 3) uint8 resized pixels, labels int64",
+    "mds": "mosaicml-streaming's MDS, converted from the folder (JPEG bytes + label)",
+    "litdata": "litdata's optimize() output, converted from the folder (JPEG bytes + label)",
+}
+
+
+@dataclass
+class Run:
+    """One (system, layout): what the child measured, and what the parent saw of it."""
+
+    system: str
+    layout: str
+    status: str = "ok"  # ok | skipped | failed
+    note: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+    marks: list[dict[str, Any]] = field(default_factory=list)  # server counters per mark
+    remote_bytes: int | None = None
+    remote_requests: int | None = None
+    server_cpu_s: float | None = None
+    peak_tree_pss_bytes: int | None = None
+    prep_s: float | None = None  # conversion (mosaicml-streaming, litdata)
+    wall_s: float | None = None
+
+
+def figures(run: Run) -> dict[str, Any]:
+    """The headline figures of one run (None where it has none)."""
+    r = run.result
+    epochs = r.get("epochs", [])
+    cold = epochs[0] if epochs else None
+    warm = epochs[1:]
+
+    def rate(es: list[dict[str, Any]]) -> float | None:
+        seconds = sum(e["seconds"] for e in es)
+        return sum(e["samples"] for e in es) / seconds if es and seconds > 0 else None
+
+    def wait(es: list[dict[str, Any]]) -> float | None:
+        seconds = sum(e["seconds"] for e in es)
+        return sum(e["wait_s"] for e in es) / seconds if es and seconds > 0 else None
+
+    prep = run.prep_s
+    return {
+        "cold_samples_per_s": rate([cold]) if cold else None,
+        "warm_samples_per_s": rate(warm),
+        "first_batch_s": cold["first_batch_s"] if cold else None,
+        "resume_s": r.get("resume_s"),
+        "resume_exact": r.get("resume_exact"),
+        "wait_fraction_cold": wait([cold]) if cold else None,
+        "wait_fraction_warm": wait(warm),
+        "remote_bytes": run.remote_bytes,
+        "remote_requests": run.remote_requests,
+        "cpu_s": r.get("cpu_s"),
+        "server_cpu_s": run.server_cpu_s,
+        "peak_rss_bytes": r.get("peak_rss_bytes"),
+        "peak_tree_pss_bytes": run.peak_tree_pss_bytes,
+        "prep_s": prep,
+        "download_s": r.get("extra", {}).get("download_s"),
+        "cold_epoch_cut": bool(cold and cold["partial"]),
+        "warm_epochs_cut": sum(1 for e in warm if e["partial"]),
+    }
+
+
+def _note(run: Run) -> str:
+    if run.status != "ok":
+        return f"{run.status}: {run.note}"
+    f = figures(run)
+    parts = []
+    if f["download_s"] is not None:
+        parts.append(f"cold epoch includes the download ({f['download_s']:.1f} s)")
+    if run.prep_s is not None:
+        parts.append("prep = its conversion of the folder")
+    if f["cold_epoch_cut"]:
+        parts.append("cold epoch stopped at its time budget")
+    if f["warm_epochs_cut"]:
+        parts.append(f"{f['warm_epochs_cut']} warm epoch(s) stopped at the time budget")
+    if run.result.get("resume_note"):
+        parts.append(str(run.result["resume_note"]))
+    elif f["resume_exact"] is False:
+        parts.append("resume did not deliver exactly the rest of the epoch")
+    return "; ".join(parts)
+
+
+def _measurement(run: Run) -> Measurement:
+    f = figures(run)
+    warm = run.result.get("epochs", [])[1:] or run.result.get("epochs", [])[:1]
+    extra = {
+        "cold samples/s": f["cold_samples_per_s"],
+        "first batch s": f["first_batch_s"],
+        "resume s": f["resume_s"],
+        "wait % warm": None if f["wait_fraction_warm"] is None else 100 * f["wait_fraction_warm"],
+        "remote MB": None if f["remote_bytes"] is None else f["remote_bytes"] / 1e6,
+        "CPU s": f["cpu_s"],
+        "peak RSS MB": None if f["peak_rss_bytes"] is None else f["peak_rss_bytes"] / 1e6,
+        "prep s": f["prep_s"],
+    }
+    return Measurement(
+        benchmark="e2e",
+        case=LAYOUT_NAMES.get(run.layout, run.layout),
+        system=run.system,
+        seconds=sum(e["seconds"] for e in warm),
+        repeats=[e["seconds"] for e in warm],
+        items=sum(e["samples"] for e in warm),
+        note=_note(run),
+        extra={k: float(v) for k, v in extra.items() if v is not None},
+    )
+
+
+def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """fastload's figures over each peer's: on the same layout, and for the conversion
+    peers against fastload on the folder they were converted from."""
+    fast = {r.layout: figures(r) for r in runs if r.system == FASTLOAD and r.status == "ok"}
+    out = []
+    for r in runs:
+        if r.system == FASTLOAD or r.status != "ok":
+            continue
+        base_layout = "folder" if r.layout in ("mds", "litdata") else r.layout
+        mine, theirs = fast.get(base_layout), figures(r)
+        if mine is None:
+            continue
+        entry: dict[str, Any] = {
+            "peer": r.system,
+            "layout": r.layout,
+            "fastload_layout": base_layout,
+        }
+        for key in ("warm_samples_per_s", "cold_samples_per_s"):
+            a, b = mine[key], theirs[key]
+            entry[key] = a / b if a and b else None
+        a, b = mine["first_batch_s"], theirs["first_batch_s"]
+        entry["first_batch_speedup"] = b / a if a and b else None
+        out.append(entry)
+    return out
+
+
+def ratio_lines(report: Report) -> list[str]:
+    """A line per peer: fastload's warm and cold samples/s over the peer's."""
+    lines = []
+    for e in report.params.get("ratios", []):
+        where = LAYOUT_NAMES.get(e["layout"], e["layout"])
+        if e["layout"] != e["fastload_layout"]:
+            where += f" vs fastload on {e['fastload_layout']}"
+        parts = [
+            f"{label} {e[key]:.2f}x"
+            for key, label in (("warm_samples_per_s", "warm"), ("cold_samples_per_s", "cold"))
+            if e.get(key)
+        ]
+        if e.get("first_batch_speedup"):
+            parts.append(f"first batch {e['first_batch_speedup']:.1f}x sooner")
+        lines.append(f"fastload vs {e['peer']} ({where}): " + ", ".join(parts))
+    return lines
+
+
+def table(report: Report) -> str:
+    headers = [
+        "layout", "system", "cold/s", "warm/s", "1st batch s", "resume s", "wait %",
+        "remote MB", "CPU s", "RSS MB", "PSS MB", "prep s", "note",
+    ]  # fmt: skip
+    body = []
+    for run in report.params["runs"]:
+        f = run["figures"]
+
+        def num(key: str, fmt: str, scale: float = 1.0, f: dict[str, Any] = f) -> str:
+            value = f.get(key)
+            return "" if value is None else format(value * scale, fmt)
+
+        body.append(
+            [
+                LAYOUT_NAMES.get(run["layout"], run["layout"]),
+                run["system"],
+                num("cold_samples_per_s", ",.0f"),
+                num("warm_samples_per_s", ",.0f"),
+                num("first_batch_s", ".2f"),
+                num("resume_s", ".2f") or ("n/a" if run["status"] == "ok" else ""),
+                num("wait_fraction_warm", ".0f", 100),
+                num("remote_bytes", ",.0f", 1e-6),
+                num("cpu_s", ".1f"),
+                num("peak_rss_bytes", ",.0f", 1e-6),
+                num("peak_tree_pss_bytes", ",.0f", 1e-6),
+                num("prep_s", ".1f"),
+                run["note"],
+            ]
+        )
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def chart(report: Report, path: Path) -> str:
+    """A PNG of cold and warm samples/s per (system, layout); returns what happened."""
+    try:  # optional (the bench extra); untyped here
+        matplotlib: Any = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install 'fastload[bench]')"
+    runs = [r for r in report.params["runs"] if r["status"] == "ok"]
+    if not runs:
+        return "no chart: no system ran"
+    labels = [f"{r['system']}\n{LAYOUT_NAMES.get(r['layout'], r['layout'])}" for r in runs]
+    cold = [r["figures"]["cold_samples_per_s"] or 0 for r in runs]
+    warm = [r["figures"]["warm_samples_per_s"] or 0 for r in runs]
+    y = np.arange(len(runs))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(runs) + 1.5))
+    ours = [r["system"] == FASTLOAD for r in runs]  # fastload in orange, peers in blue
+    light = ["#fdae6b" if mine else "#9ecae1" for mine in ours]
+    dark = ["#e6550d" if mine else "#3182bd" for mine in ours]
+    ax.barh(y - 0.2, cold, 0.4, color=light)
+    ax.barh(y + 0.2, warm, 0.4, color=dark)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"samples/s (train preset, batch {report.params['batch_size']})")
+    ax.set_title(report.params.get("title", "fastload bench"), fontsize=10)
+    patches: Any = importlib.import_module("matplotlib.patches")
+    keys = [("#bdbdbd", "cold epoch (empty cache)"), ("#636363", "warm epochs")]
+    handles = [patches.Patch(color=c, label=text) for c, text in keys]
+    ax.legend(handles=handles, loc="lower right", fontsize=8, title="fastload orange, peers blue")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return f"chart: {path}"
+
+
+def build(
+    params: dict[str, Any],
+    title: str,
+    data: GeneratedData | None,
+    runs: Sequence[Run],
+    peers: dict[str, Any] | None,
+) -> Report:
+    """The report: a row per run (warm-epoch rate, the rest as figures), every figure and
+    the machine (with the peers' environment) in its JSON."""
+    machine = machine_info(".")
+    for name in ("zarr", "moto", "matplotlib", "simplejpeg", "pillow"):
+        try:
+            machine["libraries"][name] = version(name)
+        except PackageNotFoundError:
+            continue
+    machine["peers_environment"] = peers
+    params = {
+        **params,
+        "title": title,
+        "dataset": None
+        if data is None
+        else {
+            "root": str(data.root),
+            "samples": data.samples,
+            "classes": data.classes,
+            "bytes": data.nbytes,
+            "mean_jpeg_bytes": data.nbytes.get("folder", 0) // max(1, data.samples),
+            "layouts": LAYOUT_DESCRIPTIONS,
+        },
+        "runs": [
+            {
+                "system": r.system,
+                "layout": r.layout,
+                "status": r.status,
+                "note": _note(r),
+                "figures": figures(r) if r.status == "ok" else {},
+                "epochs": r.result.get("epochs", []),
+                "open_s": r.result.get("open_s"),
+                "resume": {k: v for k, v in r.result.items() if k.startswith("resume")},
+                "marks": r.marks,
+                "loader_stats": r.result.get("loader_stats"),
+                "wall_s": r.wall_s,
+            }
+            for r in runs
+        ],
+        "ratios": ratios(runs),
+    }
+    return Report(name="e2e", rows=[_measurement(r) for r in runs], machine=machine, params=params)
+
+
+def write(report: Report, out_dir: str | os.PathLike[str], *, with_chart: bool = True) -> list[str]:
+    """Writes the JSON (and the chart); returns lines saying where."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    if with_chart:
+        note = chart(report, out / f"{report.name}.png")
+        report.params["chart"] = note
+        lines.append(note)
+    lines.insert(0, f"wrote {report.write_json(out)}")
+    return lines
+
+
+def summary(report: Report) -> str:
+    """The table, then the ratio lines."""
+    parts = [report.params["title"], table(report), "", *ratio_lines(report)]
+    return "\n".join(parts)
