@@ -14,6 +14,7 @@ The native one is used when the extension loads, unless ``FASTLOAD_NATIVE=0`` is
 
 from __future__ import annotations
 
+import atexit
 import errno as errno_codes
 import logging
 import mmap
@@ -270,6 +271,14 @@ def _orphan_pools_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_orphan_pools_in_child)
+
+
+@atexit.register
+def _close_readers() -> None:
+    # Native pools still referenced at exit (a loader the script never closed) go now, while
+    # the interpreter can still run their destructors, rather than being reported as leaks.
+    for reader in list(_readers):
+        reader.close()
 
 
 class BatchReader:
