@@ -7,9 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+from test_loader_bench import TINY
 
 from fastload import cli
-from fastload.bench import policy_bench, read_bench, stage_bench
+from fastload.bench import decode_bench, loader_bench, policy_bench, read_bench, stage_bench
 from fastload.bench.runner import Measurement, Report, relate
 
 TOY_STAGE = stage_bench.StageBenchConfig(
@@ -177,9 +178,16 @@ def test_fastload_bench_runs_every_benchmark_and_writes_each_json(
     monkeypatch.setattr(
         policy_bench.PolicyBenchConfig, "quick", classmethod(lambda cls: TOY_POLICY)
     )
-    assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    toy_decode = decode_bench.DecodeBenchConfig(
+        images=24, batch_size=8, size=32, repeats=1, decoders=False
+    )
+    monkeypatch.setattr(
+        decode_bench.DecodeBenchConfig, "quick", classmethod(lambda cls: toy_decode)
+    )
+    monkeypatch.setattr(loader_bench.LoaderBenchConfig, "quick", classmethod(lambda cls: TINY))
+    assert cli.main(["bench", "--components", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for name in ("read", "stage", "policy"):
+    for name in ("read", "stage", "policy", "decode", "loader"):
         assert json.loads((tmp_path / f"{name}.json").read_text())["benchmark"] == name
     assert "fastload warm vs fsspec simplecache:: loop" in out
     assert "hit rate" in out
