@@ -319,9 +319,7 @@ class BatchReader:
     def _backend(self) -> Any:
         if self._closed:
             raise ValueError("read on a closed BatchReader")
-        if self._pid != os.getpid():  # first use, or first use after fork()
-            if self._impl is not None:
-                _orphaned_by_fork.append(self._impl)
+        if self._pid != os.getpid():  # first use, or first use after fork() (see above)
             if self.backend == "native":
                 assert _native is not None
                 # The calling thread works too, so the pool needs one thread fewer.

@@ -209,11 +209,10 @@ class ShardedSampler(Sampler[int]):
             self._iteration = None
 
     def _next_start(self) -> ResumeState:
-        if self._pending is not None:
-            return self._pending
-        if self._iteration is not None:
+        """Where the running iteration started, else where the next one will."""
+        if self._pending is None and self._iteration is not None:
             return self._base
-        return self.plan.resume_state(self.epoch)
+        return self.upcoming_state()
 
     def upcoming_state(self) -> ResumeState:
         """Where the next ``iter()`` starts: the loaded state, else the epoch's beginning."""

@@ -119,7 +119,7 @@ class TarDataset(ShardedDataset):
             shard.keys[j],
             names,
             shard.offsets[lo:hi].tolist(),
-            (shard.sizes[lo:hi].tolist()),
+            shard.sizes[lo:hi].tolist(),
         )
 
     def sample_ranges(self, index: int) -> list[Range] | None:

@@ -62,7 +62,7 @@ class BatchBuilder:
         self,
         dataset: ShardedDataset,
         *,
-        collate_fn: Callable[[Any], Any] | None,
+        collate_fn: Callable[[Any], Any],  # torch's resolved one: default_collate if not given
         batched: bool,
         decoder: Decoder | None,
         stats: LoaderStats,
@@ -70,7 +70,7 @@ class BatchBuilder:
     ) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
-        self.default_collate = collate_fn is None or collate_fn is default_collate
+        self.default_collate = collate_fn is default_collate
         self.batched = batched
         self.decoder = decoder
         self.stats = stats
@@ -126,20 +126,20 @@ class BatchBuilder:
     def _load(self, indices: list[int], epoch: int, context: _ReadContext) -> Any:
         with self.stats.timed("read", len(indices)):
             try:
-                samples, parts = self._read(indices, context)
+                samples = self._read(indices, context)
             except BaseException as e:
                 raise _noted(e, "read") from None
         if self.decoder is not None:
             start = time.perf_counter()
             try:
-                batch = self._decode(indices, samples, parts, epoch)
+                batch = self._decode(indices, samples, epoch)
             except BaseException as e:
                 raise _noted(e, "decode") from None
             self.stats.add("decode", time.perf_counter() - start, len(indices))
         else:
             with self.stats.timed("collate"):
                 try:
-                    batch = self._collate(samples if self.batched else samples[0])
+                    batch = self.collate_fn(samples if self.batched else samples[0])
                 except BaseException as e:
                     raise _noted(e, "collate") from None
         self.stats.count("samples", len(indices))
@@ -168,16 +168,9 @@ class BatchBuilder:
         local = self.dataset.store.local_path(key)
         return None if local is None else str(local)
 
-    def _collate(self, samples: Any) -> Any:
-        if self.collate_fn is not None:
-            return self.collate_fn(samples)
-        return default_collate(samples)
-
-    def _read(
-        self, indices: list[int], context: _ReadContext
-    ) -> tuple[list[Any], list[list[memoryview] | None]]:
-        """Each sample (as ``dataset[index]`` gives it) and, for natively read ones, the
-        views of its bytes in this thread's buffer (valid until its next read)."""
+    def _read(self, indices: list[int], context: _ReadContext) -> list[Any]:
+        """Each sample, as ``dataset[index]`` gives it: natively read where its objects are
+        cached, through the cache (which fetches) otherwise."""
         ds = self.dataset
         ranges: list[list[Range] | None] = [ds.sample_ranges(i) for i in indices]
         paths: dict[str, str | None] = {}
@@ -208,7 +201,7 @@ class BatchBuilder:
             else:
                 self.stats.count("cache_reads")
                 samples.append(ds[index])
-        return samples, parts
+        return samples
 
     def _read_native(
         self,
@@ -271,13 +264,7 @@ class BatchBuilder:
             ]
         return [f"{ds.store.url}[{i}]" for i in indices]
 
-    def _decode(
-        self,
-        indices: list[int],
-        samples: list[Any],
-        parts: list[list[memoryview] | None],
-        epoch: int,
-    ) -> Any:
+    def _decode(self, indices: list[int], samples: list[Any], epoch: int) -> Any:
         assert self.decoder is not None
         pairs = [self._split(s, i) for s, i in zip(samples, indices, strict=True)]
         encoded = [p[0] for p in pairs]
@@ -290,8 +277,10 @@ class BatchBuilder:
             self.stats.skipped([reason for _, reason in decoded.skipped])
             if not kept:
                 raise DecodeError(
-                    f"every sample of a batch failed to decode (samples {indices[:8]}...): "
-                    f"{decoded.skipped[0][1]}"
+                    f"every sample of a batch failed to decode (samples {indices[:8]}...), so "
+                    f"on_error='skip' has nothing to fill it with; the first: "
+                    f"{decoded.skipped[0][1]}. Check those files (fastload cache verify "
+                    "repairs damaged cached copies)"
                 )
             # Full-sized batches: the places of bad samples go to good ones of the batch.
             row = {pos: r for r, pos in enumerate(kept)}
@@ -309,7 +298,6 @@ class BatchBuilder:
         if not self.default_collate:
             per_sample = list(images.unbind(0)) if isinstance(images, torch.Tensor) else images
             items = list(zip(per_sample, labels, strict=True)) if has_labels else per_sample
-            assert self.collate_fn is not None
             return self.collate_fn(items)
         if not has_labels:
             return images

@@ -36,7 +36,7 @@ from fastload.decode import choose_backend, make_decoder
 from fastload.decode.base import Decoder
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.pipeline import Pipeline
-from fastload.loader.resume import ResumableIndex, replaying, rng_state
+from fastload.loader.resume import ResumableIndex, replaying, rng_state, set_rng_state
 from fastload.loader.stats import LoaderStats
 from fastload.plan import ResumeState
 from fastload.sampler import ShardedSampler
@@ -114,13 +114,13 @@ class DataLoader(tud.DataLoader[Any]):
             "policy": policy,
             "storage_options": storage_options,
         }
+        given = {k: v for k, v in cache_settings.items() if v is not None}
         if isinstance(dataset, str):
-            dataset = open_dataset(dataset, **{k: v for k, v in cache_settings.items() if v})
-        elif any(v is not None for v in cache_settings.values()):
-            given = ", ".join(k for k, v in cache_settings.items() if v is not None)
+            dataset = open_dataset(dataset, **given)
+        elif given:
             raise ValueError(
-                f"{given} apply when the loader opens a dataset from a URL; this dataset is "
-                "already open: pass them to fl.open_dataset(url, ...) instead"
+                f"{', '.join(given)} apply when the loader opens a dataset from a URL; this "
+                "dataset is already open: pass them to fl.open_dataset(url, ...) instead"
             )
         fastload_dataset = isinstance(dataset, ShardedDataset)
         # worker_init_fn and a multiprocessing context ask for worker processes: torch's.
@@ -287,17 +287,16 @@ class DataLoader(tud.DataLoader[Any]):
         def load(seq: int, item: Any) -> tuple[int, Any]:
             return (len(item) if batched else 1), builder.load(item, epoch)
 
-        prefetch = self._prefetch_depth()
         per_batch = max(1, self._bytes_per_sample() * (self.batch_size or 1))
-        lookahead = max(prefetch, self.lookahead_bytes // per_batch)
+        ahead = self.lookahead_bytes // per_batch  # batches staged ahead; 0: none
         round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
         pipeline = Pipeline(
             items,
             load,
             workers=workers,
-            prefetch=prefetch,
-            stage=builder.stage if workers > 0 and lookahead > 0 else None,
-            lookahead=lookahead,
+            prefetch=self._prefetch_depth(),
+            stage=builder.stage if workers > 0 and ahead > 0 else None,
+            lookahead=ahead,
             stage_round=round_batches,
             timeout_s=float(self.timeout),
             stats=self._stats,
@@ -323,11 +322,8 @@ class DataLoader(tud.DataLoader[Any]):
         return state_dict() if callable(state_dict) else None
 
     def _bytes_per_sample(self) -> int:
-        dataset = self.dataset
-        if not isinstance(dataset, ShardedDataset):
-            return 0
-        total = dataset.store.manifest.total_bytes
-        return max(1, total // max(1, len(dataset)))
+        assert isinstance(self.dataset, ShardedDataset)  # the fast path's datasets
+        return max(1, self.dataset.store.manifest.total_bytes // len(self.dataset))
 
     def _batch_builder(self) -> BatchBuilder:
         if self._builder is None:
@@ -466,8 +462,7 @@ class DataLoader(tud.DataLoader[Any]):
             self.sampler.load_state_dict(state["sampler"])  # type: ignore[attr-defined]
         if batches == 0:  # at an epoch's start: the generator's stream continues from there
             if self.generator is not None and state.get("rng_iter") is not None:
-                with replaying(self.generator, state["rng_iter"]):
-                    pass
+                set_rng_state(self.generator, state["rng_iter"])
             return
         if isinstance(self.dataset, IterableDataset):
             self._fast_forward = batches
@@ -543,12 +538,11 @@ class _Iteration:
         batches_before: int,
         counted: bool = False,
     ) -> None:
-        self._loader = weakref.ref(loader)
+        self._loader = loader
         self._source = source
         self._stats = loader._stats
-        self._deliver = loader._deliver
         # The fast path starts the device copy on its threads; torch's batches start it here.
-        self._put = loader._put if loader._moves_to_device() and not loader._fast else None
+        self._put_here = loader._moves_to_device() and not loader._fast
         self.plan_start = plan_start
         self.torch_state = torch_state
         self.index_pass = loader._resumable.current
@@ -564,8 +558,7 @@ class _Iteration:
         return self
 
     def __len__(self) -> int:
-        loader = self._loader()
-        return 0 if loader is None else len(loader)
+        return len(self._loader)
 
     def __next__(self) -> Any:
         now = time.perf_counter()
@@ -585,9 +578,9 @@ class _Iteration:
             samples, batch = _batch_length(item, self._batched), item
             self._stats.count("batches")
             self._stats.count("samples", samples)
-        if self._put is not None:
-            batch = self._put(batch)
-        batch = self._deliver(batch)
+        if self._put_here:
+            batch = self._loader._put(batch)
+        batch = self._loader._deliver(batch)
         self.batches += 1
         self.samples += samples
         done = time.perf_counter()
@@ -599,9 +592,7 @@ class _Iteration:
         if not self.finished:
             self.finished = True
             self.close()
-            loader = self._loader()
-            if loader is not None:
-                loader._finished(self)
+            self._loader._finished(self)
 
     def close(self) -> None:
         """Stops this pass's threads, or torch's worker processes (unless persistent): now,
@@ -610,8 +601,7 @@ class _Iteration:
         if isinstance(source, Pipeline):
             source.close()
             return
-        loader = self._loader()
-        persistent = loader is not None and loader.__dict__.get("_iterator") is source
+        persistent = self._loader.__dict__.get("_iterator") is source
         shutdown = getattr(source, "_shutdown_workers", None)
         if not persistent and callable(shutdown):
             shutdown()

@@ -60,7 +60,6 @@ class Pipeline:
         stage_round: int = 8,
         timeout_s: float = 0.0,
         stats: LoaderStats,
-        name: str = "fastload",
     ) -> None:
         self._batches = batches
         self._load = load
@@ -80,9 +79,9 @@ class Pipeline:
         self._closed = False
         self._threads: list[threading.Thread] = []
         if workers > 0:
-            self._start(self._dispatch, f"{name}-dispatch")
+            self._start(self._dispatch, "fastload-dispatch")
             for i in range(workers):
-                self._start(self._work, f"{name}-worker-{i}")
+                self._start(self._work, f"fastload-worker-{i}")
 
     def _start(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -208,10 +207,6 @@ class Pipeline:
         for thread in self._threads:
             if thread is not me:
                 thread.join(timeout=_POLL_S)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def __del__(self) -> None:
         self.close()

@@ -28,6 +28,10 @@ def _as_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
+def set_rng_state(generator: torch.Generator, state: str) -> None:
+    generator.set_state(_as_tensor(state))
+
+
 @contextlib.contextmanager
 def replaying(generator: torch.Generator | None, state: str | None) -> Iterator[None]:
     """Runs the block with the generator set to ``state``. A private generator keeps going
@@ -36,7 +40,7 @@ def replaying(generator: torch.Generator | None, state: str | None) -> Iterator[
     if state is None:
         yield
     elif generator is not None:
-        generator.set_state(_as_tensor(state))
+        set_rng_state(generator, state)
         yield
     else:
         with torch.random.fork_rng(devices=[]):
