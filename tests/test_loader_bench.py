@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fastload.bench import loader_bench
+from fastload.bench import loader_bench, runner
 from fastload.bench.loader_bench import FASTLOAD, SYSTEMS, LoaderBenchConfig
 
 TINY = LoaderBenchConfig(
@@ -119,7 +119,7 @@ def test_the_memory_sampler_counts_child_processes() -> None:
     sampler.begin()
     try:
         own = sampler._rss(os.getpid())
-        assert child.pid in loader_bench._process_tree(os.getpid())
+        assert child.pid in runner.process_tree(os.getpid())
         deadline = time.monotonic() + 30
         while sampler.peak_rss < own + (64 << 20):  # the child's 64 MiB, counted too
             assert time.monotonic() < deadline, "the sampler never saw the child's memory"

@@ -201,14 +201,14 @@ class TorchOps:
         )[0]
 
 
-def _pillow_rgb(path: Path) -> npt.NDArray[np.uint8]:
+def pillow_rgb(path: Path) -> npt.NDArray[np.uint8]:
     from PIL import Image
 
     with Image.open(path) as im:
         return np.array(im.convert("RGB"))
 
 
-def _simplejpeg_rgb(path: Path) -> npt.NDArray[np.uint8]:
+def simplejpeg_rgb(path: Path) -> npt.NDArray[np.uint8]:
     return decode_rgb(path.read_bytes())
 
 
@@ -331,12 +331,12 @@ def _fastload_processes(work: Workload) -> AbstractContextManager[EpochFn]:
 
 
 def _dataloader_pillow(work: Workload) -> AbstractContextManager[EpochFn]:
-    dataset = ImageFiles(work.paths, work.preset, _pillow_rgb)
+    dataset = ImageFiles(work.paths, work.preset, pillow_rgb)
     return _dataloader(dataset, work.workers, work.batch_size)
 
 
 def _dataloader_simplejpeg(work: Workload) -> AbstractContextManager[EpochFn]:
-    dataset = ImageFiles(work.paths, work.preset, _simplejpeg_rgb)
+    dataset = ImageFiles(work.paths, work.preset, simplejpeg_rgb)
     return _dataloader(dataset, work.workers, work.batch_size)
 
 
@@ -348,7 +348,7 @@ def _plain_loop(work: Workload) -> Iterator[EpochFn]:
         done = 0
         for start in range(0, len(work.paths), work.batch_size):
             chunk = work.paths[start : start + work.batch_size]
-            done += len(torch.stack([ops(_simplejpeg_rgb(p)) for p in chunk]))
+            done += len(torch.stack([ops(simplejpeg_rgb(p)) for p in chunk]))
         return done
 
     yield epoch

@@ -23,30 +23,8 @@ from typing import Any
 
 from fastload.bench.e2e_child import MARK
 from fastload.bench.e2e_report import Run
+from fastload.bench.runner import process_tree, pss_bytes
 from fastload.testing import S3Server
-
-
-def _pss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("Pss:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
-
-
-def _tree(pid: int) -> list[int]:
-    """pid and its descendants (Linux /proc)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return found
 
 
 @contextmanager
@@ -57,7 +35,7 @@ def _sampling_memory(pid: int, period_s: float = 0.2) -> Iterator[list[int]]:
 
     def sample() -> None:
         while not stop.wait(period_s):
-            peak[0] = max(peak[0], sum(_pss_bytes(p) for p in _tree(pid)))
+            peak[0] = max(peak[0], sum(pss_bytes(p) for p in process_tree(pid)))
 
     thread = threading.Thread(target=sample, name="e2e-pss", daemon=True)
     thread.start()

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from fastload.bench.decode_bench import dali_train_ops
-from fastload.bench.runner import Measurement, Report, machine_info, relate
+from fastload.bench.runner import Measurement, Report, machine_info, measure, relate
 from fastload.decode.base import DecodeConfig
 from fastload.decode.params import TrainPreset
 
@@ -241,19 +241,20 @@ def _epochs_timed(
     torch.cuda.synchronize()
     if made != images:
         raise RuntimeError(f"{system} made {made} images of {images}")
-    times = []
-    for r in range(repeats):
-        start = time.perf_counter()
-        epoch(1 + r)
+    epochs = itertools.count(1)
+
+    def timed_epoch() -> None:
+        epoch(next(epochs))
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return Measurement(
+
+    return measure(
+        timed_epoch,
         benchmark="gpu_check",
         case=case,
         system=system,
-        seconds=statistics.median(times),
-        repeats=times,
         items=images,
+        repeats=repeats,
+        warmup=0,
         note=note,
     )
 
@@ -423,19 +424,13 @@ def measure_copy(config: GpuCheckConfig, outcome: Outcome) -> None:
                 dest.copy_(source, non_blocking=True)
             torch.cuda.synchronize()
 
-        run()  # warm-up
-        times = []
-        for _ in range(max(3, config.repeats)):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return Measurement(
+        return measure(
+            run,
             benchmark="gpu_check",
             case=case,
             system=system,
-            seconds=statistics.median(times),
-            repeats=times,
             nbytes=nbytes * config.copies,
+            repeats=max(3, config.repeats),
             note=note,
         )
 

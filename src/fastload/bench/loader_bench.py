@@ -76,7 +76,7 @@ import torch
 import torch.utils.data
 
 from fastload.bench import decode_bench, zarr_bench
-from fastload.bench.runner import Measurement, Report, relate
+from fastload.bench.runner import Measurement, Report, process_tree, pss_bytes, relate
 from fastload.decode.params import TrainPreset
 
 CASES = ("memory", "jpeg", "zarr")
@@ -295,7 +295,7 @@ def _loader(spec: dict[str, Any]) -> torch.utils.data.DataLoader[Any]:
                 f"{data['jpeg_dir']} holds {len(paths)} JPEGs, expected {config.images}; "
                 "run the benchmark through loader_bench.run, which generates them"
             )
-        read = _pillow_rgb if system.endswith("Pillow") else _simplejpeg_rgb
+        read = decode_bench.pillow_rgb if system.endswith("Pillow") else decode_bench.simplejpeg_rgb
         dataset = decode_bench.ImageFiles(paths, preset, read)
         return DataLoader(dataset, **common)
     if fastload:
@@ -304,19 +304,6 @@ def _loader(spec: dict[str, Any]) -> torch.utils.data.DataLoader[Any]:
         dataset = open_dataset(data["zarr_dir"], format="zarr", cache_dir=data["cache_dir"])
         return DataLoader(dataset, seed=config.seed, **common)
     return DataLoader(ZarrRows(data["zarr_dir"], config.zarr_rows), **common)
-
-
-def _pillow_rgb(path: Path) -> Any:
-    from PIL import Image
-
-    with Image.open(path) as im:
-        return np.asarray(im.convert("RGB"))
-
-
-def _simplejpeg_rgb(path: Path) -> Any:
-    from fastload.decode.cpu import decode_rgb
-
-    return decode_rgb(path.read_bytes())
 
 
 def _samples_in(batch: Any, case: str, config: LoaderBenchConfig) -> int:
@@ -391,9 +378,9 @@ class MemorySampler:
             self._stop.wait(self.interval_s)
 
     def sample(self, *, pss: bool = True) -> None:
-        pids = _process_tree(os.getpid())
+        pids = process_tree(os.getpid())
         rss = sum(self._rss(pid) for pid in pids)
-        total_pss = sum(_pss(pid) for pid in pids) if pss else 0
+        total_pss = sum(pss_bytes(pid) for pid in pids) if pss else 0
         with self._lock:
             self.peak_rss = max(self.peak_rss, rss)
             self.peak_pss = max(self.peak_pss, total_pss)
@@ -424,25 +411,6 @@ class MemorySampler:
         self._thread.join(timeout=5)
 
 
-def _process_tree(root: int) -> list[int]:
-    """``root`` and every process below it (through each thread's ``children`` list)."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                continue
-    return found
-
-
 def _cpu_seconds(pids: list[int]) -> dict[int, float]:
     """User + system CPU seconds of each process so far: this one's to the nanosecond,
     others' (``/proc/<pid>/stat``) to the clock tick."""
@@ -459,17 +427,6 @@ def _cpu_seconds(pids: list[int]) -> dict[int, float]:
         except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
     return found
-
-
-def _pss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 class SystemRun:
@@ -495,7 +452,7 @@ class SystemRun:
         step = self.step if with_step else None
         samples, stepping, waiting, first_s, end_s = 0, 0.0, 0.0, 0.0, 0.0
         self.memory.begin()
-        cpu_before = _cpu_seconds(_process_tree(os.getpid()))
+        cpu_before = _cpu_seconds(process_tree(os.getpid()))
         start = time.perf_counter()
         batches = iter(self.loader)
         iter_s = time.perf_counter() - start
@@ -516,7 +473,7 @@ class SystemRun:
                 step()
                 stepping += time.perf_counter() - before
         seconds = time.perf_counter() - start
-        cpu_after = _cpu_seconds(_process_tree(os.getpid()))
+        cpu_after = _cpu_seconds(process_tree(os.getpid()))
         peak_rss = self.memory.end()
         if samples != self.expected:
             raise AssertionError(f"{self.case}: {samples} samples in an epoch, not {self.expected}")

@@ -44,6 +44,38 @@ class Measurement:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (Linux: each thread's ``children`` list)."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # ended meanwhile
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+    return found
+
+
+def pss_bytes(pid: int) -> int:
+    """The process's proportional set size (shared pages split among their users); 0 if it
+    ended or the kernel does not say."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def time_median(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> list[float]:
     """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
