@@ -3,6 +3,9 @@
 # GPU transforms, DALI's own pipeline), host->device bandwidth (pageable, pinned peak, the
 # DeviceRing) and a simulated training step with and without the data path overlapped.
 # Needs no network; under 5 minutes on one H200 (--quick: about a minute).
+# Runs on .venv/bin/python (make install) or on a python3 whose torch has CUDA, with this
+# checkout's sources; that interpreter needs fastload's dependencies (simplejpeg for the CPU
+# rows) and, for the DALI rows, nvidia-dali-cuda130; what is missing is reported per row.
 #
 #   benchmarks/gpu_check.sh [--quick] [--out DIR] [more options: --help]
 #
@@ -13,13 +16,6 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-python="$root/.venv/bin/python"
-if [ ! -x "$python" ]; then
-  python=python3
-  # No venv: run this checkout's sources (the native reader then falls back to Python).
-  export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"
-fi
-
 out=""
 args=()
 while [ $# -gt 0 ]; do
@@ -43,6 +39,31 @@ out="$(cd "$out" && pwd)"
 # Caches that CUDA and other libraries would put under $HOME go under the output instead.
 export CUDA_CACHE_PATH="${CUDA_CACHE_PATH:-$out/.cache/nv}"
 export XDG_CACHE_HOME="$out/.cache"
+
+venv="$root/.venv/bin/python"
+candidates=()
+[ -x "$venv" ] && candidates+=("$venv")
+command -v python3 >/dev/null 2>&1 && candidates+=(python3)
+# The first interpreter whose torch sees a CUDA device, else the first with torch at all (it
+# then says why there is no device). Offline, make install leaves a venv without torch (or a
+# carried one has the CPU build): it must not shadow a python3 that has CUDA torch.
+python=""
+for probe in 'import sys, torch; sys.exit(not torch.cuda.is_available())' 'import torch'; do
+  for candidate in ${candidates[@]+"${candidates[@]}"}; do
+    if "$candidate" -c "$probe" >/dev/null 2>&1; then
+      python="$candidate"
+      break 2
+    fi
+  done
+done
+if [ -z "$python" ]; then
+  echo "gpu_check.sh: no Python with torch (tried: ${candidates[*]:-none}); run make install" >&2
+  exit 2
+fi
+if [ "$python" != "$venv" ]; then
+  # Not the venv: run this checkout's sources (the native reader then falls back to Python).
+  export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 json="$out/gpu_check.json"
 rm -f "$json"

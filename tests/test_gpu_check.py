@@ -22,6 +22,7 @@ from fastload.ring import DeviceRing
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 HAS_CUDA = torch.cuda.is_available()
+REFERENCES = {gpu_check.DECODE_REFERENCE, gpu_check.COPY_REFERENCE, gpu_check.STEP_REFERENCE}
 HAS_DALI = importlib.util.find_spec("nvidia") is not None and (
     importlib.util.find_spec("nvidia.dali") is not None
 )
@@ -82,6 +83,37 @@ def test_the_script_without_cuda_exits_2_and_writes_only_under_out(tmp_path: Pat
     assert "results in" not in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["given"]
     assert not (tmp_path / "given" / "gpu-check" / "gpu_check.json").exists()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks what happens without a CUDA device")
+def test_the_script_skips_a_venv_without_torch(tmp_path: Path) -> None:
+    """Offline, make install leaves .venv without torch; python3 with torch must run."""
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    script = root / "benchmarks" / SCRIPT.name
+    script.write_text(SCRIPT.read_text())
+    script.chmod(0o755)
+    (root / "src").symlink_to(ROOT / "src")
+    venv = root / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    (venv / "python").chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"  # this one has torch (the CPU build)
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    env.pop("OUT", None)
+    done = subprocess.run(
+        [str(script), "--quick", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "no CUDA device" in done.stderr
 
 
 def test_generated_jpegs_decode_and_are_kept(tmp_path: Path) -> None:
@@ -146,6 +178,19 @@ def test_tables_show_each_case_and_what_failed(tmp_path: Path) -> None:
     assert payload["rows"][0]["items_per_s"] == 50
 
 
+def test_copy_ratios_compare_bandwidth_not_time() -> None:
+    """The whole ring moves more bytes than the reference copies: GB/s decide, not seconds."""
+    rows = [
+        row("copy", gpu_check.COPY_REFERENCE, 1.0, nbytes=8 * 10**9),
+        row("copy", "ring", 6.0, nbytes=48 * 10**9),
+        row("copy", "pageable", 4.0, nbytes=8 * 10**9),
+    ]
+    ratios = {r.system: r.ratio for r in gpu_check.relate_bandwidth(rows, gpu_check.COPY_REFERENCE)}
+    assert ratios == {gpu_check.COPY_REFERENCE: 1.0, "ring": 1.0, "pageable": 0.25}
+    alone = gpu_check.relate_bandwidth(rows[1:], gpu_check.COPY_REFERENCE)
+    assert [r.ratio for r in alone] == [None, None]
+
+
 def test_ring_feed_delivers_every_batch_then_leaves_the_ring_open() -> None:
     batches = [{"x": torch.full((3,), float(i))} for i in range(2)]
     with DeviceRing("cpu", slots=2) as ring:
@@ -183,5 +228,11 @@ def test_the_whole_check_runs_in_quick_mode(tmp_path: Path) -> None:
     assert "DeviceRing put/get, producer thread" in systems
     assert payload["params"]["failures"] == {}
     assert payload["params"]["gpu"]["name"]
-    assert all(r["ratio"] is not None for r in payload["rows"]), payload["rows"]
+    if HAS_DALI:
+        assert {"fastload DALI, mixed", gpu_check.DECODE_REFERENCE} <= systems
+    # Without DALI the decode rows have no reference; every other case has its own.
+    referenced = {r["case"] for r in payload["rows"] if r["system"] in REFERENCES}
+    rows = [r for r in payload["rows"] if r["case"] in referenced]
+    assert len(referenced) == (3 if HAS_DALI else 2)
+    assert all(r["ratio"] is not None for r in rows), payload["rows"]
     print(done.stdout, file=sys.stderr)

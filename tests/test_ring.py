@@ -328,6 +328,13 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 SLEEP_CYCLES = 1_000_000_000  # ~0.5 s of GPU clock: keeps the side stream busy
 
 
+def warm(ring: DeviceRing, batch: object) -> None:
+    """One batch through, then a device sync: the slot's cudaHostRegister and the device
+    buffer's cudaMalloc (both may synchronize with the device) happen before a test's sleep."""
+    ring.get(ring.put(batch))
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_slots_are_pinned_and_batches_arrive_intact() -> None:
@@ -348,6 +355,7 @@ def test_cuda_copy_runs_on_a_side_stream_that_the_consumer_waits_for() -> None:
     src = torch.rand(4 << 20)
     with DeviceRing("cuda", slots=2) as ring:
         assert ring.stream != torch.cuda.current_stream()
+        warm(ring, {"x": src})
         with torch.cuda.stream(ring.stream):
             torch.cuda._sleep(SLEEP_CYCLES)  # the copy queues behind this
         transfer = ring.put({"x": src})
@@ -366,6 +374,7 @@ def test_cuda_copy_runs_on_a_side_stream_that_the_consumer_waits_for() -> None:
 def test_cuda_slot_is_reused_only_after_its_copy_completed() -> None:
     first, second = torch.rand(2 << 20), torch.rand(2 << 20)
     with DeviceRing("cuda", slots=1) as ring:
+        warm(ring, first)
         with torch.cuda.stream(ring.stream):
             torch.cuda._sleep(SLEEP_CYCLES)
         a = ring.get(ring.put(first))  # its copy is still queued behind the sleep

@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -409,6 +409,20 @@ def ring_feed(
         producer.join(timeout=_WAIT_S)
 
 
+def relate_bandwidth(rows: Sequence[Measurement], reference: str) -> list[Measurement]:
+    """Each row's GB/s as a ratio to the reference's. ``relate`` compares times, which holds
+    only for equal bytes; the whole ring moves more batches (and labels) than the copies."""
+    base = next((r for r in rows if r.system == reference), None)
+    if base is None or not base.nbytes or base.seconds <= 0:
+        return [replace(r, ratio=None, reference=None) for r in rows]
+    return [
+        replace(r, ratio=r.gb_per_s / base.gb_per_s, reference=reference)
+        if r.nbytes and r.seconds > 0
+        else replace(r, ratio=None, reference=None)
+        for r in rows
+    ]
+
+
 def measure_copy(config: GpuCheckConfig, outcome: Outcome) -> None:
     from fastload.ring import DeviceRing
 
@@ -478,7 +492,7 @@ def measure_copy(config: GpuCheckConfig, outcome: Outcome) -> None:
         )
 
     outcome.attempt("DeviceRing put/get, producer thread", whole_ring)
-    outcome.rows[rows_before:] = relate(outcome.rows[rows_before:], COPY_REFERENCE)
+    outcome.rows[rows_before:] = relate_bandwidth(outcome.rows[rows_before:], COPY_REFERENCE)
 
 
 # --- overlap with a training step -------------------------------------------------------------
@@ -673,6 +687,8 @@ def run(out_dir: str | os.PathLike[str], config: GpuCheckConfig | None = None) -
     ``report.params["failures"]``)."""
     config = config or GpuCheckConfig()
     device = require_cuda(config.device)
+    # The timings' torch.cuda.synchronize() and current_stream() act on the current device.
+    torch.cuda.set_device(device)
     config = GpuCheckConfig(**{**asdict(config), "device": str(device)})
     out = Path(out_dir)
     started = time.perf_counter()
