@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import pytest
 import torch
@@ -434,13 +435,18 @@ def test_stats_are_json_and_count_a_cold_then_a_warm_cache(
             assert back == stats  # plain values only
             return back
 
+        # As in a new process: the listing comes from the cache, and no filesystem instance
+        # remembers the sizes it listed (s3fs would then HEAD each object before its GET).
+        fsspec.get_filesystem_class(kind).clear_instance_cache()
         cold = run()
         object_gets = where.server.stats().count(method="GET")
+        cold_heads = where.server.stats().count(method="HEAD")
         sent = where.server.stats().bytes_sent
         warm = run()
         warm_gets = where.server.stats().count(method="GET")
 
     assert object_gets == TOTAL  # each image fetched once
+    assert cold_heads == 0  # in one request: no HEAD first (s3fs sends one unless told not to)
     assert sent == source.folder_bytes
     for stats in (cold, warm):
         assert stats["path"] == "fastload"

@@ -35,7 +35,12 @@ def open_filesystem(
     url: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem for url and the dataset root path in that filesystem's terms."""
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    options = dict(storage_options or {})
+    if fsspec.core.split_protocol(url)[0] in ("s3", "s3a"):
+        # s3fs sends a HEAD before every whole-object GET to decide whether to split it,
+        # doubling requests, latency and client CPU; the stager splits large objects itself.
+        options.setdefault("max_concurrency", 1)
+    fs, root = fsspec.core.url_to_fs(url, **options)
     return fs, root.rstrip("/") if root not in ("/", "") else root
 
 
