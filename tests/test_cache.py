@@ -198,6 +198,7 @@ def test_read_verified_refuses_corrupt_bytes(tmp_path: Path) -> None:
 def test_verify_removes_files_the_index_does_not_claim(tmp_path: Path) -> None:
     with Cache(tmp_path) as cache:
         orphan = cache.path_for("s3://b/orphan")
+        orphan.parent.mkdir(exist_ok=True)
         orphan.write_bytes(b"left by a crash between rename and commit")
         assert cache.verify() == []
         assert not orphan.exists()

@@ -296,11 +296,10 @@ class Cache:
             fsync=fsync,
         )
         self.dir = self.config.cache_dir
+        # objects/<xx>/ subfolders are made at their first publish: making all 256 up front
+        # costs half a second on some disks, before a new cache's first batch.
         for sub in ("objects", "tmp", "manifests"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        if not (self.dir / "objects" / "ff").is_dir():  # once: creating files is slow on some disks
-            for i in range(256):
-                (self.dir / "objects" / f"{i:02x}").mkdir(exist_ok=True)
         self.fetch_locks = FetchLocks.for_path(self.dir / "fetch.lock")
         self._lock = threading.RLock()  # serializes this process's writes
         self._db: sqlite3.Connection | None = None
@@ -572,7 +571,11 @@ class Cache:
                     try:
                         if self._make_room(db, oid, part.size):
                             final = self.path_for(part.url)
-                            os.replace(part.path, final)
+                            try:
+                                os.replace(part.path, final)
+                            except FileNotFoundError:  # the subfolder's first object
+                                final.parent.mkdir(exist_ok=True)
+                                os.replace(part.path, final)
                             self._index_add(
                                 db, oid, part.url, part.size, part.checksum, item.version
                             )

@@ -579,7 +579,7 @@ def _aws_env(spec: RunSpec) -> dict[str, str]:
 
 # Imported before any timer starts (an import is no part of a loader's start-up).
 IMPORTS: dict[str, tuple[str, ...]] = {
-    "fastload": ("fastload", "fastload.loader"),
+    "fastload": ("fastload", "fastload.loader", "s3fs"),  # s3fs: as the peers have it
     "torch DataLoader + fsspec": ("fsspec", "s3fs", "zarr"),
     "torch DataLoader + fsspec filecache::": ("fsspec", "s3fs", "zarr"),
     "DALI reader + CPU pipeline": ("fsspec", "s3fs", "nvidia.dali"),
