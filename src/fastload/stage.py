@@ -14,7 +14,7 @@ import asyncio
 import base64
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ import fsspec.asyn
 from fastload.cache import Cache, FetchLock
 from fastload.errors import CacheError, FastloadError, RemoteError
 from fastload.manifest import Manifest, RemoteObject
+from fastload.presigned import NotHandled, PresignedGets
 from fastload.remote import (
     backoff_s,
     classify,
@@ -176,7 +177,7 @@ class Stager:
                 except asyncio.QueueEmpty:
                     return
                 try:
-                    result = await self._stage_one(objects[i], throttle)
+                    result = await self._stage_one(objects[i], throttle, presigned)
                 except (RemoteError, CacheError) as exc:
                     if isinstance(exc, RemoteError) and is_transient(exc):
                         raise  # _stage_one reports those; anything else is a bug
@@ -185,6 +186,7 @@ class Stager:
                 results[i] = result
                 tracker.add(result)
 
+        presigned = await PresignedGets.open(self.fs, self.config.jobs)
         workers = [
             asyncio.ensure_future(worker()) for _ in range(min(self.config.jobs, len(objects)))
         ]
@@ -193,11 +195,15 @@ class Stager:
         finally:
             for w in workers:
                 w.cancel()
+            if presigned is not None:
+                await presigned.close()
         if fatal:
             raise fatal[0]
         return [r for r in results if r is not None]
 
-    async def _stage_one(self, obj: RemoteObject, throttle: _Throttle) -> StageResult:
+    async def _stage_one(
+        self, obj: RemoteObject, throttle: _Throttle, presigned: PresignedGets | None
+    ) -> StageResult:
         url = self.manifest.object_url(obj)
         cache = self.cache
         if cache.lookup(url, version=obj.version, size=obj.size) is not None:
@@ -214,7 +220,7 @@ class Stager:
                 attempts += 1
                 try:
                     async with throttle:
-                        data = await self._fetch(obj, url)
+                        data = await self._fetch(obj, url, presigned)
                     await throttle.succeeded()
                     break
                 except RemoteError as exc:
@@ -243,7 +249,7 @@ class Stager:
             delay = min(delay * 2, 0.05)
         return lock
 
-    async def _fetch(self, obj: RemoteObject, url: str) -> bytes:
+    async def _fetch(self, obj: RemoteObject, url: str, presigned: PresignedGets | None) -> bytes:
         path = self.remote_path(obj)
         size = obj.size
         try:
@@ -251,13 +257,13 @@ class Stager:
                 step = self.config.range_bytes
                 parts = await asyncio.gather(
                     *(
-                        self._cat(path, start, min(start + step, size))
+                        self._cat(path, start, min(start + step, size), presigned)
                         for start in range(0, size, step)
                     )
                 )
                 data = b"".join(parts)
             else:
-                data = await self._cat(path, None, None)
+                data = await self._cat(path, None, None, presigned)
         except FastloadError:
             raise
         except Exception as exc:
@@ -269,12 +275,22 @@ class Stager:
             raise integrity_error(url, "MD5 does not match the one the remote advertised")
         return data
 
-    async def _cat(self, path: str, start: int | None, end: int | None) -> bytes:
+    async def _cat(
+        self, path: str, start: int | None, end: int | None, presigned: PresignedGets | None
+    ) -> bytes:
+        if presigned is not None and not presigned.declined:
+            try:
+                return await self._within_timeout(path, presigned.get(path, start, end))
+            except NotHandled:
+                pass  # s3fs's to answer: it follows regions and redirects
         fs: Any = self.fs
         if getattr(fs, "async_impl", False):
             call = fs._cat_file(path, start=start, end=end)
         else:
             call = asyncio.to_thread(fs.cat_file, path, start=start, end=end)
+        return await self._within_timeout(path, call)
+
+    async def _within_timeout(self, path: str, call: Awaitable[bytes]) -> bytes:
         try:
             return await asyncio.wait_for(call, self.config.timeout_s)
         except asyncio.TimeoutError:

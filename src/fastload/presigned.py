@@ -1,0 +1,119 @@
+"""S3 GETs through presigned URLs: the stager's cheap path to S3 objects.
+
+s3fs runs each GET through aiobotocore's whole request pipeline (endpoint rules, event
+hooks, signing, response parsing down to dateutil timestamps): 2.5-4 ms of Python per
+object on the event-loop thread, which holds the GIL against the decode threads and caps a
+cold epoch at a few hundred objects/s on 2 cores. A presigned URL costs one signature, and
+a plain aiohttp GET a fraction of that pipeline. s3fs's own client signs, so endpoint,
+region, addressing and credentials are exactly s3fs's.
+
+Used only where a presigned GET is the same request s3fs would send: no requester-pays,
+no ``s3_additional_kwargs`` (SSE-C keys travel in headers), no proxies or client
+certificates in the botocore config. A response this path does not handle (a redirect
+to another region, a malformed-authorization 400, a server without presigned URLs: 501)
+goes back to s3fs, for that object and every later one of the same staging call.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import ssl
+from typing import Any
+
+import aiohttp
+
+_EXPIRES_S = 3600  # a URL is used once, within seconds; an hour leaves room for clock skew
+
+
+class NotHandled(Exception):
+    """This response is s3fs's to handle (it knows regions, redirects and retries)."""
+
+
+class PresignedGets:
+    """``gets = await PresignedGets.open(fs, connections)``, then ``await gets.get(path)``
+    and ``await gets.close()``; open gives None where the filesystem is not one this path
+    serves the same way."""
+
+    def __init__(self, fs: Any, client: Any, session: aiohttp.ClientSession) -> None:
+        self._fs = fs
+        self._client = client
+        self._session = session
+        self.declined = False  # set once the remote answers what only s3fs can follow
+
+    @classmethod
+    async def open(cls, fs: Any, connections: int) -> PresignedGets | None:
+        if not _eligible(fs):
+            return None
+        client = await fs.set_session()
+        config = client.meta.config
+        if getattr(config, "proxies", None) or getattr(config, "client_cert", None):
+            return None
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections, ssl=_ssl_for(fs)),
+            trust_env=True,  # HTTP(S)_PROXY from the environment, as botocore honours them
+            auto_decompress=False,
+        )
+        return cls(fs, client, session)
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes [start, end) (the whole object for None, None), as s3fs's
+        ``_cat_file`` gives them. Raises NotHandled, or aiohttp.ClientResponseError carrying
+        the status and S3's error body (for :func:`fastload.remote.classify`)."""
+        bucket, key, version = self._fs.split_path(path)
+        params = {"Bucket": bucket, "Key": key}
+        if version:
+            params["VersionId"] = version
+        url = await self._client.generate_presigned_url(
+            "get_object", Params=params, ExpiresIn=_EXPIRES_S
+        )
+        headers = {"Accept-Encoding": "identity"}
+        if start is not None or end is not None:
+            first = start or 0
+            headers["Range"] = f"bytes={first}-" if end is None else f"bytes={first}-{end - 1}"
+        async with self._session.get(url, headers=headers, allow_redirects=False) as response:
+            body = await response.read()
+            if response.status in (200, 206):
+                return body
+            if 300 <= response.status < 400 or response.status in (400, 501):
+                self.declined = True  # the same answer awaits every object of this bucket
+                raise NotHandled(response.status)
+            raise aiohttp.ClientResponseError(
+                response.request_info,
+                (),
+                status=response.status,
+                message=body[:300].decode("utf-8", "replace"),  # S3's code: NoSuchKey, SlowDown
+            )
+
+
+def _eligible(fs: Any) -> bool:
+    return (
+        type(fs).__name__ == "S3FileSystem"
+        and not getattr(fs, "s3_additional_kwargs", None)
+        and not getattr(fs, "req_kw", None)  # requester-pays
+        and hasattr(fs, "set_session")
+        and hasattr(fs, "split_path")
+    )
+
+
+def _ssl_for(fs: Any) -> ssl.SSLContext | bool:
+    """TLS as botocore would verify it: ``verify`` from client_kwargs, else AWS_CA_BUNDLE,
+    else botocore's bundle."""
+    verify = (getattr(fs, "client_kwargs", None) or {}).get("verify")
+    if verify is False:
+        return False
+    if not isinstance(verify, str):
+        verify = os.environ.get("AWS_CA_BUNDLE")
+    if not verify:
+        from botocore.httpsession import get_cert_path  # type: ignore[import-untyped]
+
+        verify = get_cert_path(True)
+    return _context(verify)
+
+
+@functools.cache
+def _context(cafile: str) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=cafile)  # reads the bundle: once per process

@@ -1,0 +1,157 @@
+"""S3 objects staged through presigned GETs (fastload.presigned), against moto on loopback."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from conftest import Remote, open_remote
+
+import fastload.presigned as presigned
+from fastload.cache import Cache
+from fastload.errors import RemoteNotFoundError
+from fastload.manifest import RemoteObject
+from fastload.stage import FetchConfig
+from fastload.store import CachedStore
+
+QUICK = FetchConfig(jobs=8, retries=4, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[Remote]:
+    with open_remote("s3", tmp_path) as r:
+        yield r
+
+
+@pytest.fixture
+def served_by_presigned_gets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """The (path, start, end) of every GET the presigned path answered (it still answers)."""
+    answered: list[tuple[Any, ...]] = []
+    real_get = presigned.PresignedGets.get
+
+    async def get(self: presigned.PresignedGets, *args: Any) -> bytes:
+        data = await real_get(self, *args)
+        answered.append(args)
+        return data
+
+    monkeypatch.setattr(presigned.PresignedGets, "get", get)
+    return answered
+
+
+def open_store(remote: Remote, cache_dir: Path, **options: Any) -> CachedStore:
+    return CachedStore.open(
+        remote.url,
+        cache_dir=str(cache_dir),
+        storage_options={**remote.storage_options, **options},
+        fetch=QUICK,
+    )
+
+
+def cached(cache_dir: Path, remote: Remote) -> dict[str, bytes]:
+    with Cache(cache_dir) as cache:
+        found = {k: cache.lookup(f"{remote.url.rstrip('/')}/{k}") for k in remote.files}
+        return {k: p.read_bytes() for k, p in found.items() if p is not None}
+
+
+def test_every_object_arrives_whole_in_one_get_through_a_presigned_url(
+    s3: Remote, tmp_path: Path, served_by_presigned_gets: list[tuple[Any, ...]]
+) -> None:
+    store = open_store(s3, tmp_path / "cache")
+    keys = store.object_keys()  # lists the bucket
+    s3.server.reset_stats()  # type: ignore[union-attr]
+    results = store.stage(keys)
+    assert {r.outcome for r in results} == {"fetched"}
+    assert cached(tmp_path / "cache", s3) == s3.files
+    assert len(served_by_presigned_gets) == len(s3.files)
+    stats = s3.server.stats()  # type: ignore[union-attr]
+    assert stats.count(method="GET") == len(s3.files)
+    assert stats.count(method="HEAD") == 0
+
+
+def test_large_objects_come_in_ranges_that_join_to_the_object(
+    s3: Remote, tmp_path: Path, served_by_presigned_gets: list[tuple[Any, ...]]
+) -> None:
+    big = max(s3.files, key=lambda k: len(s3.files[k]))
+    size = len(s3.files[big])
+    store = CachedStore.open(
+        s3.url,
+        cache_dir=str(tmp_path / "cache"),
+        storage_options=s3.storage_options,
+        fetch=FetchConfig(range_threshold_bytes=size // 3, range_bytes=size // 3 - 1),
+    )
+    store.stage([big])
+    assert store.read(big) == s3.files[big]
+    ranges = sorted((start, end) for _, start, end in served_by_presigned_gets)
+    assert len(ranges) >= 3
+    assert ranges[0][0] == 0
+    assert ranges[-1][1] == size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # no gap, no overlap
+
+
+@pytest.mark.parametrize(
+    "fault", ["503 SlowDown", "500", "truncated body", "connection reset"], ids=str
+)
+def test_transient_faults_on_presigned_gets_are_retried(
+    s3: Remote, tmp_path: Path, fault: str
+) -> None:
+    server = s3.server
+    assert server is not None
+    key = sorted(s3.files)[0]
+    if fault == "truncated body":
+        server.truncate_next(2, path_contains=key)
+    elif fault == "connection reset":
+        server.reset_next(2, path_contains=key, methods=["GET"])
+    else:
+        server.fail_next(2, int(fault.split()[0]), path_contains=key, methods=["GET"])
+    store = open_store(s3, tmp_path / "cache")
+    (result,) = store.stage([key])
+    assert result.outcome == "fetched"
+    # aiohttp itself retries a GET once on a pooled connection that was reset.
+    assert result.attempts == 3 or (fault == "connection reset" and result.attempts == 2)
+    assert store.read(key) == s3.files[key]
+
+
+def test_a_missing_object_fails_fast_naming_its_url(s3: Remote, tmp_path: Path) -> None:
+    store = open_store(s3, tmp_path / "cache")
+    gone = RemoteObject("no/such/object.bin", 10, None)
+    with pytest.raises(RemoteNotFoundError, match=r"s3://.*/no/such/object\.bin"):
+        store.stager.stage([gone])
+    assert s3.gets("no/such/object.bin") == 1
+
+
+@pytest.mark.parametrize("status", [400, 501])
+def test_a_response_it_does_not_handle_leaves_this_and_later_objects_to_s3fs(
+    s3: Remote, tmp_path: Path, served_by_presigned_gets: list[tuple[Any, ...]], status: int
+) -> None:
+    first, *rest = sorted(s3.files)
+    # S3 answers 400 to a URL signed for another region (s3fs follows it); a server
+    # without presigned URLs answers 501.
+    s3.server.fail_next(1, status, path_contains=first, methods=["GET"])  # type: ignore[union-attr]
+    store = CachedStore.open(  # one GET at a time: "later" is well defined
+        s3.url,
+        cache_dir=str(tmp_path / "cache"),
+        storage_options=s3.storage_options,
+        fetch=FetchConfig(jobs=1, min_jobs=1),
+    )
+    results = store.stage([first, *rest])
+    assert {r.outcome for r in results} == {"fetched"}
+    assert cached(tmp_path / "cache", s3) == s3.files
+    assert served_by_presigned_gets == []  # s3fs answered all of them
+    assert s3.gets(first) == 2
+    assert all(s3.gets(k) == 1 for k in rest)
+
+
+def test_settings_a_presigned_url_cannot_carry_leave_the_gets_to_s3fs(
+    s3: Remote, tmp_path: Path, served_by_presigned_gets: list[tuple[Any, ...]]
+) -> None:
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+    store = open_store(s3, tmp_path / "cache", s3_additional_kwargs={"ChecksumMode": "ENABLED"})
+    key = sorted(s3.files)[0]
+    (result,) = store.stage([key])
+    assert result.outcome == "fetched"
+    assert store.read(key) == s3.files[key]
+    assert served_by_presigned_gets == []
