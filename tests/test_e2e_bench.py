@@ -107,6 +107,7 @@ def test_fastload_and_the_fsspec_peer_end_to_end_with_skipped_peers(tmp_path: Pa
         assert 0 <= f["wait_fraction_warm"] <= 1
         assert f["peak_rss_bytes"] > 10 << 20
         assert f["remote_requests"] > 0
+        assert 0 < f["server_cpu_s"] < f["cpu_s"]  # the server's threads only: a lean server
     folder_bytes = payload["params"]["dataset"]["bytes"]["folder"]
     # fastload fetches every image once (then reads its cache); the peer once per epoch.
     assert folder_bytes <= fast["figures"]["remote_bytes"] < 1.5 * folder_bytes

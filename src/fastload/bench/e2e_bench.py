@@ -3,12 +3,15 @@ with the tools users would pick instead, on the same data and cores, in one run.
 
 Data (:mod:`fastload.bench.e2e_data`, generated once into ``<out>/data/e2e-<samples>``):
 natural-image-like JPEGs of ~105 KB in ~100 classes, as an ImageFolder, WebDataset tar
-shards, and a Zarr array of the same images (resized pixels). They are served by moto's S3
-(:class:`fastload.testing.S3Server`, in this process) that waits ``latency_s`` before each
-response and paces each to ``bandwidth_bytes_per_s`` (per connection, as object stores cap
-it), so "remote" behaves like object storage. Its counters give each run's bytes fetched
-and requests. moto is Python: its CPU time per request comes out of the same 2 cores
-(``server_cpu_s`` in the JSON).
+shards, and a Zarr array of the same images (resized pixels). They are linked (or copied)
+into ``<out>/work/e2e/s3/<bucket>/<layout>/`` and served over S3's protocol by
+:class:`fastload.testing.S3FolderServer` (in this process), which waits ``latency_s``
+before each response and paces each to ``bandwidth_bytes_per_s`` (per connection, as
+object stores cap it), so "remote" behaves like object storage. Its counters give each
+run's bytes fetched and requests. The server is Python on the same 2 cores as the systems
+measured, so it is a lean one (~0.5 ms of CPU per GET; moto's ``S3Server``, used before,
+spent ~6 ms, so cold epochs measured moto rather than the loaders); what it still spends
+is ``server_cpu_s`` in the JSON (its request threads' CPU time during the run).
 
 Systems (:data:`PLAN`; :mod:`fastload.bench.e2e_peers` has their code), each on every
 layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`), with
@@ -56,7 +59,6 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +68,7 @@ from fastload.bench.e2e_data import DataConfig, GeneratedData, generate
 from fastload.bench.e2e_process import child_env, default_peers_python, probe_python, run_child
 from fastload.bench.e2e_report import LAYOUT_NAMES, Run
 from fastload.bench.runner import Report
-from fastload.testing import RemoteBehavior, S3Server
+from fastload.testing import RemoteBehavior, S3FolderServer
 
 FASTLOAD = e2e_report.FASTLOAD
 FSSPEC = "torch DataLoader + fsspec"
@@ -143,18 +145,11 @@ class E2EConfig:
         )
 
 
-def upload(server: S3Server, local_dir: Path, prefix: str, threads: int = 8) -> int:
-    """Every file under ``local_dir`` to ``BUCKET/prefix/...``, several at a time."""
-    server.create_bucket(BUCKET)
-    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
-
-    def put(path: Path) -> int:
-        data = path.read_bytes()
-        server.put(BUCKET, f"{prefix}/{path.relative_to(local_dir).as_posix()}", data)
-        return len(data)
-
-    with ThreadPoolExecutor(threads) as pool:
-        return sum(pool.map(put, files))
+def upload(server: S3FolderServer, local_dir: Path, prefix: str) -> int:
+    """Every file under ``local_dir`` to ``BUCKET/prefix/...`` (hard links into the
+    server's folder where they can be, else copies); the bytes it holds."""
+    keys = server.upload_dir(local_dir, BUCKET, prefix)
+    return sum((server.root / BUCKET / key).stat().st_size for key in keys)
 
 
 def convert(python: str, kind: str, folder: Path, dest: Path, work: Path, workers: int) -> float:
@@ -234,12 +229,17 @@ def _spec(config: E2EConfig, system: str, layout: str, url: str, **more: Any) ->
     }
 
 
-def _measure(python: str, spec: dict[str, Any], work: Path, server: S3Server | None,
+def _measure(python: str, spec: dict[str, Any], work: Path, server: S3FolderServer | None,
              config: E2EConfig, where: str) -> Run:  # fmt: skip
     print(f"  {spec['system']} on {where} ...", end="", flush=True)
+    server_cpu_before = server.cpu_s if server is not None else 0.0
     one = run_child(
         python, spec, work / _slug(spec["system"], spec["layout"]), server, config.run_timeout_s
     )
+    if server is not None:
+        # run_child's figure is this whole process, its memory sampler (~13 ms a sample
+        # of the process tree, 5 a second) included; the server's own threads are exact.
+        one.server_cpu_s = server.cpu_s - server_cpu_before
     print(f" {one.wall_s or 0:.1f} s, {one.status}", flush=True)
     return one
 
@@ -276,8 +276,8 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
             local[kind] = work / kind
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             runs.append(Run(system, kind, "failed", f"its conversion failed: {e}"))
-    with S3Server() as server:
-        for prefix, path in local.items():  # uploads go fast: no latency yet
+    with S3FolderServer(work / "s3") as server:
+        for prefix, path in local.items():  # before the knobs: no latency yet
             upload(server, path, prefix)
         server.set_behavior(
             RemoteBehavior(

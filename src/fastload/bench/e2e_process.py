@@ -24,7 +24,7 @@ from typing import Any
 from fastload.bench.e2e_child import MARK
 from fastload.bench.e2e_report import Run
 from fastload.bench.runner import process_tree, pss_bytes
-from fastload.testing import S3Server
+from fastload.testing import RemoteControls
 
 
 @contextmanager
@@ -72,7 +72,11 @@ def child_env(work: Path) -> dict[str, str]:
 
 
 def run_child(
-    python: str, spec: dict[str, Any], run_dir: Path, server: S3Server | None, timeout_s: float
+    python: str,
+    spec: dict[str, Any],
+    run_dir: Path,
+    server: RemoteControls | None,
+    timeout_s: float,
 ) -> Run:
     """Runs ``e2e_child run`` for spec with ``python``, in a process of its own; counts
     what the server sent at each of its marks and samples its memory. Never raises for

@@ -1,10 +1,12 @@
 """Loopback servers that stand in for remote object storage in tests and benchmarks.
 
 ``RangeHTTPServer`` serves a local directory over HTTP with byte ranges;
-``S3Server`` runs moto's S3 (needs ``pip install "moto[server]"``, imported only when
-an ``S3Server`` is created). Both take the same knobs (``RemoteBehavior``), fault
-injection (``fail_next``/``truncate_next``/``reset_next``) and counters (``stats()``)
-from ``RemoteControls``.
+``S3FolderServer`` speaks S3's REST protocol over a local folder (each subfolder a
+bucket) with little CPU per request, for benchmarks and most S3 tests; ``S3Server`` runs
+moto's S3 (needs ``pip install "moto[server]"``, imported only when an ``S3Server`` is
+created), which spends milliseconds of CPU per request. All take the same knobs
+(``RemoteBehavior``), fault injection (``fail_next``/``truncate_next``/``reset_next``)
+and counters (``stats()``) from ``RemoteControls``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fastload.testing.faults import (
 )
 from fastload.testing.http_server import RangeHTTPServer
 from fastload.testing.process import HTTPServerProcess
+from fastload.testing.s3_folder import S3FolderServer
 from fastload.testing.s3_server import S3Server
 
 __all__ = [
@@ -28,5 +31,6 @@ __all__ = [
     "RemoteBehavior",
     "RemoteControls",
     "RequestStats",
+    "S3FolderServer",
     "S3Server",
 ]

@@ -3,6 +3,10 @@
 It serves a local directory read-only in the way fsspec's ``HTTPFileSystem`` expects
 from a static file server: HEAD for sizes, single ``Range`` requests for reads, and
 directory pages of ``<a href>`` links for ``ls``/``find``.
+
+The machinery under it (``TrackedHTTPServer``, ``ControlledHandler``, ``LoopbackServer``:
+keep-alive, Nagle off, knobs, faults, counters, paced bodies, files served by range) is
+shared with :class:`~fastload.testing.S3FolderServer`.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ import mimetypes
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from email.utils import formatdate
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 from fastload.testing.faults import (
@@ -37,17 +42,20 @@ __all__ = ["RangeHTTPServer"]
 _RANGE_RE = re.compile(r"bytes=(\d*)-(\d*)")
 # An idle keep-alive connection is dropped after this long, so its thread ends.
 _IDLE_TIMEOUT_S = 60.0
+# Unpaced file bodies go to the socket with sendfile(2) in pieces of this size, each
+# counted before it is sent (as ``RemoteControls._paced`` counts its pieces).
+_SENDFILE_PIECE = 1 << 20
 
 
-class _Unsatisfiable(Exception):
-    pass
+class Unsatisfiable(Exception):
+    """A byte range that starts past the end of the object (HTTP 416)."""
 
 
-def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+def parse_range(header: str, size: int) -> tuple[int, int] | None:
     """Parse a single byte range into [start, end); None means serve the whole file.
 
     Malformed and multi-range headers are ignored (RFC 9110 allows that), which fsspec
-    never sends anyway. Raises _Unsatisfiable for ranges entirely past the end.
+    never sends anyway. Raises Unsatisfiable for ranges entirely past the end.
     """
     match = _RANGE_RE.fullmatch(header.strip())
     if match is None:
@@ -58,18 +66,18 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
         if last and int(last) < start:
             return None
         if start >= size:
-            raise _Unsatisfiable
+            raise Unsatisfiable
         end = size if not last else min(int(last) + 1, size)
         return start, end
     if last:  # suffix range: the final N bytes
         n = int(last)
         if n == 0 or size == 0:
-            raise _Unsatisfiable
+            raise Unsatisfiable
         return max(0, size - n), size
     return None  # "bytes=-"
 
 
-def _read_chunks(f: BinaryIO, start: int, length: int) -> Iterator[bytes]:
+def read_chunks(f: BinaryIO, start: int, length: int) -> Iterator[bytes]:
     f.seek(start)
     while length > 0:
         chunk = f.read(min(length, 1 << 20))
@@ -83,12 +91,30 @@ STATS_PATH = "/__fastload_testing__/stats"
 RESET_PATH = "/__fastload_testing__/reset-stats"
 
 
-class _Server(ConnectionTrackingMixin, ThreadingHTTPServer):
-    controls: RangeHTTPServer
+class TrackedHTTPServer(ConnectionTrackingMixin, ThreadingHTTPServer):
+    """A threaded HTTP server that can drop its connections; ``controls`` is its owner."""
+
+    controls: RemoteControls
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._cpu_lock = threading.Lock()
+        self.handler_cpu_s = 0.0
+        super().__init__(*args, **kwargs)
+
+    def add_handler_cpu(self, seconds: float) -> None:
+        with self._cpu_lock:
+            self.handler_cpu_s += seconds
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class ControlledHandler(BaseHTTPRequestHandler):
+    """A keep-alive request handler that applies its server's ``RemoteControls``.
+
+    Subclasses call ``_begin`` first (count, latency, RESET/STATUS faults), then answer
+    with ``_send_body`` or ``_send_open_file`` so that bodies are paced, counted and
+    truncated the same way in every server.
+    """
+
+    server: TrackedHTTPServer
     protocol_version = "HTTP/1.1"  # keep-alive; every response carries a Content-Length
     server_version = "fastload-testing"
     timeout = _IDLE_TIMEOUT_S
@@ -99,6 +125,96 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         logger.debug("http %s - " + format, self.address_string(), *args)
 
+    def handle_one_request(self) -> None:
+        # Thread CPU time: waits for the client, latency and pacing cost nothing.
+        started = time.thread_time()
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.add_handler_cpu(time.thread_time() - started)
+
+    def _url_path(self) -> str:
+        return unquote(urlsplit(self.path).path)
+
+    def _begin(self, path: str) -> tuple[RemoteBehavior, bool] | None:
+        """Count the request, wait out the latency and apply RESET/STATUS faults.
+
+        Returns the behavior for the response and whether to truncate its body, or None
+        when the request is already dealt with (dropped, reset, or failed as injected).
+        """
+        controls = self.server.controls
+        behavior, fault = controls._on_request(self.command, path)
+        if not controls._sleep(behavior.latency_s):
+            self.close_connection = True  # server closing
+            return None
+        if fault is not None and fault.kind is FaultKind.RESET:
+            self.close_connection = True
+            self.server.reset_connection(self.connection)
+            return None
+        if fault is not None and fault.kind is FaultKind.STATUS:
+            self._send_fault_status(fault, path)
+            return None
+        return behavior, fault is not None and fault.kind is FaultKind.TRUNCATE
+
+    def _send_fault_status(self, fault: Fault, path: str) -> None:
+        raise NotImplementedError
+
+    def _send_body(
+        self, read: Callable[[int], Iterator[bytes]], length: int, truncate: bool, b: RemoteBehavior
+    ) -> None:
+        """Send ``length`` body bytes from ``read(n)``, or only half of them when truncating."""
+        if truncate:
+            # Content-Length already promised `length` bytes; stop halfway and hang up.
+            length //= 2
+            self.close_connection = True
+        for piece in self.server.controls._paced(read(length), b):
+            self.wfile.write(piece)
+
+    def _send_open_file(
+        self,
+        f: BinaryIO,
+        size: int,
+        byte_range: tuple[int, int] | None,
+        headers: dict[str, str],
+        *,
+        send_body: bool,
+        truncate: bool,
+        b: RemoteBehavior,
+    ) -> None:
+        """Answer 200 with all of ``f`` or 206 with ``byte_range``, plus ``headers``."""
+        if byte_range is None:
+            start, end = 0, size
+            self.send_response(HTTPStatus.OK)
+        else:
+            start, end = byte_range
+            self.send_response(HTTPStatus.PARTIAL_CONTENT)
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        self.send_header("Content-Length", str(end - start))
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if not send_body:
+            return
+        if b.bandwidth_bytes_per_s is None and not truncate:
+            self._sendfile(f, start, end - start)
+        else:
+            self._send_body(functools.partial(read_chunks, f, start), end - start, truncate, b)
+
+    def _sendfile(self, f: BinaryIO, start: int, length: int) -> None:
+        """The unpaced body from the page cache to the socket, never through Python."""
+        controls = self.server.controls
+        offset, end = start, start + length
+        while offset < end:
+            piece = min(_SENDFILE_PIECE, end - offset)
+            controls._count_sent(piece)
+            sent = self.connection.sendfile(f, offset, piece)
+            if sent < piece:  # the file shrank under us; the client sees a short body
+                self.close_connection = True
+                return
+            offset += sent
+
+
+class _Handler(ControlledHandler):
     def do_GET(self) -> None:
         self._serve(send_body=True)
 
@@ -115,11 +231,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_POST = do_DELETE = do_PATCH = _refuse_method
 
-    def _url_path(self) -> str:
-        return unquote(urlsplit(self.path).path)
+    @property
+    def _controls(self) -> RangeHTTPServer:
+        controls = self.server.controls
+        assert isinstance(controls, RangeHTTPServer)
+        return controls
 
     def _serve(self, *, send_body: bool) -> None:
-        controls = self.server.controls
+        controls = self._controls
         path = self._url_path()
         if path == RESET_PATH:
             controls.reset_stats()
@@ -136,20 +255,12 @@ class _Handler(BaseHTTPRequestHandler):
             ).encode()
             self._send_simple(HTTPStatus.OK, body, {"Content-Type": "application/json"})
             return
-        behavior, fault = controls._on_request(self.command, path)
-        if not controls._sleep(behavior.latency_s):
-            self.close_connection = True  # server closing
+        begun = self._begin(path)
+        if begun is None:
             return
-        if fault is not None and fault.kind is FaultKind.RESET:
-            self.close_connection = True
-            self.server.reset_connection(self.connection)
-            return
-        if fault is not None and fault.kind is FaultKind.STATUS:
-            self._send_fault_status(fault)
-            return
-        truncate = fault is not None and fault.kind is FaultKind.TRUNCATE
+        behavior, truncate = begun
         try:
-            target = self.server.controls._resolve(path)
+            target = controls._resolve(path)
             if target is None:
                 self._send_simple(HTTPStatus.NOT_FOUND, b"not found\n")
             elif target.is_dir():
@@ -172,25 +283,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.controls._count_sent(len(body))
             self.wfile.write(body)
 
-    def _send_fault_status(self, fault: Fault) -> None:
+    def _send_fault_status(self, fault: Fault, path: str) -> None:
         reason = fault.code or HTTPStatus(fault.status).phrase
         self._send_simple(fault.status, f"injected fault: {reason}\n".encode())
-
-    def _send_body(
-        self, read: Callable[[int], Iterator[bytes]], length: int, truncate: bool, b: RemoteBehavior
-    ) -> None:
-        """Send ``length`` body bytes from ``read(n)``, or only half of them when truncating."""
-        if truncate:
-            # Content-Length already promised `length` bytes; stop halfway and hang up.
-            length //= 2
-            self.close_connection = True
-        for piece in self.server.controls._paced(read(length), b):
-            self.wfile.write(piece)
 
     def _send_listing(
         self, url_path: str, directory: Path, send_body: bool, truncate: bool, b: RemoteBehavior
     ) -> None:
-        body = self.server.controls._listing(url_path, directory)
+        body = self._controls._listing(url_path, directory)
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/html; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
@@ -221,59 +321,44 @@ class _Handler(BaseHTTPRequestHandler):
             # If-Range: the range only applies to the version the client already has.
             if range_header is not None and if_range in (None, etag, last_modified):
                 try:
-                    byte_range = _parse_range(range_header, size)
-                except _Unsatisfiable:
+                    byte_range = parse_range(range_header, size)
+                except Unsatisfiable:
                     self._send_simple(
                         HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE,
                         b"",
                         {"Content-Range": f"bytes */{size}"},
                     )
                     return
-            if byte_range is None:
-                start, end = 0, size
-                self.send_response(HTTPStatus.OK)
-            else:
-                start, end = byte_range
-                self.send_response(HTTPStatus.PARTIAL_CONTENT)
-                headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-            headers["Content-Length"] = str(end - start)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            if send_body:
-                read = functools.partial(_read_chunks, f, start)
-                self._send_body(read, end - start, truncate, b)
+            self._send_open_file(
+                f, size, byte_range, headers, send_body=send_body, truncate=truncate, b=b
+            )
 
 
-class RangeHTTPServer(RemoteControls):
-    """Serve ``root`` read-only on ``http://127.0.0.1:<free port>`` from daemon threads.
+_Self = TypeVar("_Self", bound="LoopbackServer")
 
-    Starts on construction; use it as a context manager or call ``close()``. Supports
-    GET/HEAD, single byte ranges (206/416), ETag/Last-Modified, keep-alive, and HTML
-    directory pages fsspec's ``HTTPFileSystem.ls``/``find`` can follow (subdirectory
-    links end in ``/``). Knobs, faults and counters come from ``RemoteControls``.
+
+class LoopbackServer(RemoteControls):
+    """Runs ``handler`` on ``http://127.0.0.1:<free port>`` from daemon threads.
+
+    Starts on construction; use it as a context manager or call ``close()``. Subclasses
+    set up whatever the handler reads before calling ``__init__``.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, behavior: RemoteBehavior | None = None):
+    def __init__(
+        self, handler: type[ControlledHandler], *, behavior: RemoteBehavior | None = None
+    ) -> None:
         super().__init__(behavior)
-        self._root = Path(root).resolve(strict=True)
-        if not self._root.is_dir():
-            raise NotADirectoryError(self._root)
         self._close_lock = threading.Lock()
         self._closed = False
-        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server = TrackedHTTPServer(("127.0.0.1", 0), handler)
         self._server.controls = self
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},
-            name=f"RangeHTTPServer:{self.port}",
+            name=f"{type(self).__name__}:{self.port}",
             daemon=True,
         )
         self._thread.start()
-
-    @property
-    def root(self) -> Path:
-        return self._root
 
     @property
     def port(self) -> int:
@@ -284,10 +369,18 @@ class RangeHTTPServer(RemoteControls):
         """``http://127.0.0.1:PORT``, without a trailing slash."""
         return f"http://127.0.0.1:{self.port}"
 
-    def url_for(self, relpath: str | os.PathLike[str] = "") -> str:
-        """The URL of a path relative to ``root`` (percent-encoded; "" is the root page)."""
-        rel = Path(relpath).as_posix().lstrip("/")
-        return f"{self.url}/{quote(rel)}" if rel not in ("", ".") else f"{self.url}/"
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the server has spent answering requests (in its handler threads;
+        sleeps for latency and bandwidth are not CPU). For benchmarks whose server shares
+        the cores with the code being measured."""
+        with self._server._cpu_lock:
+            return self._server.handler_cpu_s
+
+    @property
+    def closed(self) -> bool:
+        with self._close_lock:
+            return self._closed
 
     def close(self) -> None:
         """Stop serving and drop open connections; idempotent and bounded in time."""
@@ -297,7 +390,7 @@ class RangeHTTPServer(RemoteControls):
             self._closed = True
         self._stop_serving(self._server, self._thread)
 
-    def __enter__(self) -> RangeHTTPServer:
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(
@@ -307,6 +400,31 @@ class RangeHTTPServer(RemoteControls):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class RangeHTTPServer(LoopbackServer):
+    """Serve ``root`` read-only on ``http://127.0.0.1:<free port>`` from daemon threads.
+
+    Starts on construction; use it as a context manager or call ``close()``. Supports
+    GET/HEAD, single byte ranges (206/416), ETag/Last-Modified, keep-alive, and HTML
+    directory pages fsspec's ``HTTPFileSystem.ls``/``find`` can follow (subdirectory
+    links end in ``/``). Knobs, faults and counters come from ``RemoteControls``.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, behavior: RemoteBehavior | None = None):
+        self._root = Path(root).resolve(strict=True)
+        if not self._root.is_dir():
+            raise NotADirectoryError(self._root)
+        super().__init__(_Handler, behavior=behavior)
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    def url_for(self, relpath: str | os.PathLike[str] = "") -> str:
+        """The URL of a path relative to ``root`` (percent-encoded; "" is the root page)."""
+        rel = Path(relpath).as_posix().lstrip("/")
+        return f"{self.url}/{quote(rel)}" if rel not in ("", ".") else f"{self.url}/"
 
     def __repr__(self) -> str:
         return f"RangeHTTPServer({str(self._root)!r}, url={self.url!r})"
