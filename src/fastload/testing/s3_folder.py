@@ -47,7 +47,7 @@ from fastload.testing.http_server import (
     Unsatisfiable,
     parse_range,
 )
-from fastload.testing.s3_server import ACCESS_KEY, REGION, SECRET_KEY, _s3_error
+from fastload.testing.s3_server import REGION, _s3_error, storage_options_for
 
 __all__ = ["S3FolderServer"]
 
@@ -557,11 +557,7 @@ class S3FolderServer(LoopbackServer):
     @property
     def storage_options(self) -> dict[str, Any]:
         """A fresh dict of s3fs keyword arguments that reach this server."""
-        return {
-            "key": ACCESS_KEY,
-            "secret": SECRET_KEY,
-            "client_kwargs": {"endpoint_url": self.endpoint_url},
-        }
+        return storage_options_for(self.endpoint_url)
 
     # -- helpers (straight to the folder: no knobs, faults or counters) -------------------
 

@@ -56,6 +56,15 @@ _S3_ERRORS: dict[int, tuple[str, str]] = {
 }
 
 
+def storage_options_for(endpoint_url: str) -> dict[str, Any]:
+    """s3fs keyword arguments for a loopback S3 endpoint that takes any credentials."""
+    return {
+        "key": ACCESS_KEY,
+        "secret": SECRET_KEY,
+        "client_kwargs": {"endpoint_url": endpoint_url},
+    }
+
+
 def _s3_error(fault: Fault, path: str) -> tuple[str, bytes]:
     """The status line and XML body S3 sends for an error."""
     phrase = HTTPStatus(fault.status).phrase
@@ -264,11 +273,7 @@ class S3Server(RemoteControls):
     @property
     def storage_options(self) -> dict[str, Any]:
         """A fresh dict of s3fs keyword arguments that reach this server."""
-        return {
-            "key": ACCESS_KEY,
-            "secret": SECRET_KEY,
-            "client_kwargs": {"endpoint_url": self.endpoint_url},
-        }
+        return storage_options_for(self.endpoint_url)
 
     # -- helpers (they bypass knobs, faults and counters) -------------------------------
 
