@@ -110,3 +110,26 @@ def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
     """The dataset behind a loopback server that can inject faults and count requests."""
     with open_remote(request.param, tmp_path) as r:
         yield r
+
+
+def private_s3fs(
+    storage_options: dict[str, Any], *, timeout_s: float, retries: int = 1, session: Any = None
+) -> Any:
+    """An s3fs filesystem of its own (not fsspec's cached instance) that gives up within
+    timeout_s and retries only ``retries`` times in s3fs's own loop (1 means never)."""
+    import aiobotocore.session  # s3fs's dependency
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        **storage_options,
+        session=session or aiobotocore.session.AioSession(),
+        skip_instance_cache=True,
+        config_kwargs={
+            "connect_timeout": timeout_s,
+            "read_timeout": timeout_s,
+            # botocore's own retries back off for seconds; leave retrying to s3fs.
+            "retries": {"total_max_attempts": 1, "mode": "standard"},
+        },
+    )
+    fs.retries = retries  # s3fs's retry loop (SlowDown, payload errors)
+    return fs

@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import private_s3fs
 
 from fastload.testing import S3FolderServer
 
 s3fs = pytest.importorskip("s3fs")
 boto3 = pytest.importorskip("boto3")
 aiohttp = pytest.importorskip("aiohttp")
-import aiobotocore.session  # noqa: E402  (s3fs's dependency)
 import botocore.config  # noqa: E402
 from botocore.exceptions import ClientError, EndpointConnectionError  # noqa: E402
 
@@ -71,19 +71,7 @@ def server(tmp_path: Path) -> Iterator[S3FolderServer]:
 
 
 def make_s3fs(server: S3FolderServer, retries: int = 1) -> Any:
-    fs = s3fs.S3FileSystem(
-        **server.storage_options,
-        session=aiobotocore.session.AioSession(),
-        skip_instance_cache=True,
-        config_kwargs={
-            "connect_timeout": CLIENT_TIMEOUT_S,
-            "read_timeout": CLIENT_TIMEOUT_S,
-            # botocore's own retries back off for seconds; leave retrying to s3fs.
-            "retries": {"total_max_attempts": 1, "mode": "standard"},
-        },
-    )
-    fs.retries = retries  # s3fs's retry loop (SlowDown, payload errors); 1 means none
-    return fs
+    return private_s3fs(server.storage_options, timeout_s=CLIENT_TIMEOUT_S, retries=retries)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import private_s3fs
 
 from fastload.testing import (
     Fault,
@@ -340,25 +341,15 @@ MakeS3fs = Callable[..., Any]
 @pytest.fixture(scope="module")
 def make_s3fs() -> MakeS3fs:
     """Builds s3fs filesystems for a server: private instances with tight timeouts."""
-    s3fs = pytest.importorskip("s3fs")
+    pytest.importorskip("s3fs")
     import aiobotocore.session  # s3fs's dependency
 
     session = aiobotocore.session.AioSession()  # shared: building one costs ~0.1 s
 
     def make(server: S3Server, retries: int = 1) -> Any:
-        fs = s3fs.S3FileSystem(
-            **server.storage_options,
-            session=session,
-            skip_instance_cache=True,
-            config_kwargs={
-                "connect_timeout": CLIENT_TIMEOUT_S,
-                "read_timeout": CLIENT_TIMEOUT_S,
-                # botocore's own retries back off for seconds; leave retrying to s3fs.
-                "retries": {"total_max_attempts": 1, "mode": "standard"},
-            },
+        return private_s3fs(
+            server.storage_options, timeout_s=CLIENT_TIMEOUT_S, retries=retries, session=session
         )
-        fs.retries = retries  # s3fs's retry loop (SlowDown, payload errors); 1 means none
-        return fs
 
     return make
 
