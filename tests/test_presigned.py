@@ -1,4 +1,4 @@
-"""S3 objects staged through presigned GETs (fastload.presigned), against moto on loopback."""
+"""S3 objects staged and listed through presigned URLs (fastload.presigned), against moto."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Remote, open_remote
+from conftest import Remote, open_remote, private_s3fs
 
 import fastload.presigned as presigned
 from fastload.cache import Cache
 from fastload.errors import RemoteNotFoundError
-from fastload.manifest import RemoteObject
+from fastload.manifest import RemoteObject, list_dataset
 from fastload.remote import open_filesystem
 from fastload.stage import FetchConfig
 from fastload.store import CachedStore
+from fastload.testing import S3FolderServer
 
 QUICK = FetchConfig(jobs=8, retries=4, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)
 
@@ -162,3 +163,40 @@ def test_settings_a_presigned_url_cannot_carry_leave_the_gets_to_s3fs_one_reques
     stats = s3.server.stats()  # type: ignore[union-attr]
     assert stats.count(method="HEAD") == 0
     assert stats.count(method="GET") == len(s3.files)
+
+
+# --- listings --------------------------------------------------------------------------------
+
+
+def test_a_presigned_listing_equals_s3fs_find_across_pages_and_odd_names(tmp_path: Path) -> None:
+    names = [f"c{i % 3}/{i:04d} a+b%20 ü.bin" for i in range(1_050)]  # two pages of 1,000
+    with S3FolderServer(tmp_path) as server:
+        for i, name in enumerate(names):
+            path = tmp_path / "odd-names" / "ds" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(bytes(i % 7))
+        (tmp_path / "odd-names" / "dsx").mkdir()
+        (tmp_path / "odd-names" / "dsx" / "outside.bin").write_bytes(b"not below ds/")
+        fast = list_dataset("s3://odd-names/ds", server.storage_options)
+        fs = private_s3fs(server.storage_options, timeout_s=10)
+        slow = fs.find("odd-names/ds", detail=True, withdirs=False)
+    assert [o.key for o in fast] == sorted(names)
+    assert set(slow) == {f"odd-names/ds/{n}" for n in names}
+    for obj in fast:
+        info = slow[f"odd-names/ds/{obj.key}"]
+        assert obj.size == info["size"]
+        # The same version string as from s3fs: a cache made either way stays valid.
+        assert obj.version == f"ETag={info['ETag']};LastModified={info['LastModified']}"
+
+
+def test_folder_markers_are_no_objects_of_the_dataset(s3: Remote) -> None:
+    s3.server.put("data", "ds/a-folder-marker/", b"")  # type: ignore[union-attr]
+    manifest = list_dataset(s3.url, s3.storage_options)
+    assert {o.key for o in manifest} == set(s3.files)
+
+
+def test_a_declined_listing_is_left_to_s3fs(s3: Remote) -> None:
+    s3.server.fail_next(1, 501, path_contains="/data", methods=["GET"])  # type: ignore[union-attr]
+    manifest = list_dataset(s3.url, s3.storage_options)
+    assert {o.key: o.size for o in manifest} == {k: len(v) for k, v in s3.files.items()}
+    assert s3.server.stats().faults_injected == 1  # type: ignore[union-attr]

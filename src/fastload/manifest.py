@@ -20,6 +20,7 @@ from typing import Any
 
 import fsspec
 
+from fastload import presigned
 from fastload.errors import RemoteError
 from fastload.remote import is_http, key_of, open_filesystem, public_url, remote_url, with_retries
 
@@ -140,10 +141,12 @@ def list_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Man
     shown = public_url(url)
 
     def listing() -> dict[str, dict[str, Any]]:
-        found: dict[str, dict[str, Any]]
+        found: dict[str, dict[str, Any]] | None = None
         if is_http(fs):
             found = _crawl_pages(fs, root)
-        else:
+        elif getattr(fs, "async_impl", False):
+            found = fsspec.asyn.sync(fs.loop, presigned.find, fs, root)
+        if found is None:
             found = fs.find(root, detail=True, withdirs=False)
         if not found and fs.isfile(root):
             found = {root: fs.info(root)}

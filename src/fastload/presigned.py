@@ -1,4 +1,4 @@
-"""S3 GETs through presigned URLs: the stager's cheap path to S3 objects.
+"""S3 GETs and listings through presigned URLs: the cheap path to S3 objects.
 
 s3fs runs each GET through aiobotocore's whole request pipeline (endpoint rules, event
 hooks, signing, response parsing down to dateutil timestamps): 2.5-4 ms of Python per
@@ -16,13 +16,17 @@ goes back to s3fs, for that object and every later one of the same staging call.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import ssl
+import xml.etree.ElementTree as ElementTree
 from typing import Any
+from urllib.parse import unquote_plus
 
 import aiohttp
 
+_NS = {"s3": "http://s3.amazonaws.com/doc/2006-03-01/"}
 _EXPIRES_S = 3600  # a URL is used once, within seconds; an hour leaves room for clock skew
 
 
@@ -67,13 +71,47 @@ class PresignedGets:
         params = {"Bucket": bucket, "Key": key}
         if version:
             params["VersionId"] = version
-        url = await self._client.generate_presigned_url(
-            "get_object", Params=params, ExpiresIn=_EXPIRES_S
-        )
         headers = {"Accept-Encoding": "identity"}
         if start is not None or end is not None:
             first = start or 0
             headers["Range"] = f"bytes={first}-" if end is None else f"bytes={first}-{end - 1}"
+        return await self._request("get_object", params, headers)
+
+    async def find(self, path: str) -> dict[str, dict[str, Any]]:
+        """Every object below path (a bucket, or a prefix ending at a ``/``), as s3fs's
+        ``find(path, detail=True)`` gives them: name -> info with ``size``, ``ETag`` and
+        ``LastModified`` (so versions recorded either way compare equal). botocore parses
+        a listing page field by field in Python (~0.2 ms an object); this reads the XML
+        with ElementTree."""
+        bucket, key, _ = self._fs.split_path(path)
+        prefix = f"{key.rstrip('/')}/" if key else ""
+        params = {"Bucket": bucket, "Prefix": prefix, "EncodingType": "url"}
+        found: dict[str, dict[str, Any]] = {}
+        while True:
+            page = ElementTree.fromstring(await self._request("list_objects_v2", params, {}))
+            for entry in page.iterfind("s3:Contents", _NS):
+                name = unquote_plus(entry.findtext("s3:Key", "", _NS))
+                if name.endswith("/"):
+                    continue  # a folder marker, not an object (find(withdirs=False) skips it)
+                size = int(entry.findtext("s3:Size", "0", _NS))
+                found[f"{bucket}/{name}"] = {
+                    "name": f"{bucket}/{name}",
+                    "type": "file",
+                    "size": size,
+                    "ETag": entry.findtext("s3:ETag", None, _NS),
+                    "LastModified": _timestamp(entry.findtext("s3:LastModified", None, _NS)),
+                }
+            token = page.findtext("s3:NextContinuationToken", None, _NS)
+            if page.findtext("s3:IsTruncated", "false", _NS) != "true" or not token:
+                return found
+            params["ContinuationToken"] = token
+
+    async def _request(
+        self, operation: str, params: dict[str, str], headers: dict[str, str]
+    ) -> bytes:
+        url = await self._client.generate_presigned_url(
+            operation, Params=params, ExpiresIn=_EXPIRES_S
+        )
         async with self._session.get(url, headers=headers, allow_redirects=False) as response:
             body = await response.read()
             if response.status in (200, 206):
@@ -87,6 +125,25 @@ class PresignedGets:
                 status=response.status,
                 message=body[:300].decode("utf-8", "replace"),  # S3's code: NoSuchKey, SlowDown
             )
+
+
+def _timestamp(text: str | None) -> datetime.datetime | None:
+    """S3's ISO 8601 time as botocore gives it (an aware datetime), without dateutil."""
+    return None if text is None else datetime.datetime.fromisoformat(text)
+
+
+async def find(fs: Any, path: str) -> dict[str, dict[str, Any]] | None:
+    """``fs.find(path, detail=True)`` through presigned listing pages; None where the
+    filesystem is not one this path serves, or the remote declined."""
+    gets = await PresignedGets.open(fs, connections=1)
+    if gets is None:
+        return None
+    try:
+        return await gets.find(path)
+    except NotHandled:
+        return None
+    finally:
+        await gets.close()
 
 
 def _eligible(fs: Any) -> bool:
