@@ -440,9 +440,12 @@ class _Cycle:
 
 
 def _collect_garbage(conn) -> None:
+    import faulthandler
     import gc
 
+    faulthandler.dump_traceback_later(20, exit=True)  # a hang shows where, in the test's log
     gc.collect()  # destroys the parent's reader here unless fastload orphaned its pool
+    faulthandler.cancel_dump_traceback_later()
     conn.send("collected")
 
 
@@ -452,6 +455,7 @@ def test_a_forked_child_collecting_a_parents_reader_does_not_hang(data_file) -> 
     import gc
 
     path, _ = data_file
+    gc.collect()  # earlier tests' garbage is collected here, not in the child
     reader = BatchReader(backend="native" if fastload.native_available() else "python")
     reader.read([(path, 0, 10, bytearray(10))])  # the parent's pool threads exist now
     gc.disable()  # keep the cycle uncollected until the fork
