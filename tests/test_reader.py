@@ -431,54 +431,51 @@ def test_reader_keeps_working_in_a_forked_child(reader: BatchReader, data_file) 
     assert list(reader.read([(path, 0, 10, bytearray(10))])) == [10]  # parent unaffected
 
 
-class _Cycle:
-    """Holds a reader in a reference cycle: only the garbage collector frees it."""
+# Runs in a fresh interpreter: in pytest's own process the child's collection would also
+# meet earlier tests' objects (s3fs instances whose finalizers wait on an event loop the
+# child does not have, a second each), which is not what this checks.
+_FORKED_COLLECTION = """
+import faulthandler, gc, multiprocessing, sys
+import fastload
+from fastload.reader import BatchReader
 
-    def __init__(self, reader: BatchReader) -> None:
-        self.reader = reader
-        self.me = self
+class Cycle:  # holds a reader in a reference cycle: only the garbage collector frees it
+    def __init__(self, reader):
+        self.reader, self.me = reader, self
 
-
-def _collect_garbage(conn) -> None:
-    import faulthandler
-    import gc
-
-    faulthandler.dump_traceback_later(20, exit=True)  # a hang shows where, in the test's log
+def collect(conn):
+    faulthandler.dump_traceback_later(20, exit=True)  # a hang shows where, in the log
     gc.collect()  # destroys the parent's reader here unless fastload orphaned its pool
-    faulthandler.cancel_dump_traceback_later()
     conn.send("collected")
+
+reader = BatchReader(backend="native" if fastload.native_available() else "python")
+reader.read([(sys.argv[1], 0, 10, bytearray(10))])  # the parent's pool threads exist now
+gc.disable()  # keep the cycle uncollected until the fork
+Cycle(reader)
+del reader
+parent, child = multiprocessing.Pipe()
+proc = multiprocessing.get_context("fork").Process(target=collect, args=(child,))
+proc.start()
+gc.enable()
+collected = parent.poll(30) and parent.recv() == "collected"
+proc.join(30)
+if proc.is_alive():
+    proc.kill()
+print("collected" if collected and proc.exitcode == 0 else f"hung (exit {proc.exitcode})")
+"""
 
 
 def test_a_forked_child_collecting_a_parents_reader_does_not_hang(data_file) -> None:
     """torch's DataLoader workers fork, then collect garbage: a reader the parent had not
     collected yet must not be destroyed there (joining threads the child does not have)."""
-    import gc
-
     path, _ = data_file
-    gc.collect()  # earlier tests' garbage is collected here, not in the child
-    reader = BatchReader(backend="native" if fastload.native_available() else "python")
-    reader.read([(path, 0, 10, bytearray(10))])  # the parent's pool threads exist now
-    gc.disable()  # keep the cycle uncollected until the fork
-    try:
-        _Cycle(reader)
-        del reader
-        ctx = multiprocessing.get_context("fork")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_collect_garbage, args=(child,))
-        proc.start()
-    finally:
-        gc.enable()
-    try:
-        assert parent.poll(30), "the child hung collecting the parent's reader"
-        assert parent.recv() == "collected"
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-        parent.close()
-        child.close()
-    assert proc.exitcode == 0
-    gc.collect()
+    run = subprocess.run(
+        [sys.executable, "-c", _FORKED_COLLECTION, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.stdout.strip() == "collected", run.stdout + run.stderr
 
 
 def test_close_is_idempotent_and_reading_after_close_fails(data_file) -> None:
