@@ -232,14 +232,9 @@ def _spec(config: E2EConfig, system: str, layout: str, url: str, **more: Any) ->
 def _measure(python: str, spec: dict[str, Any], work: Path, server: S3FolderServer | None,
              config: E2EConfig, where: str) -> Run:  # fmt: skip
     print(f"  {spec['system']} on {where} ...", end="", flush=True)
-    server_cpu_before = server.cpu_s if server is not None else 0.0
     one = run_child(
         python, spec, work / _slug(spec["system"], spec["layout"]), server, config.run_timeout_s
     )
-    if server is not None:
-        # run_child's figure is this whole process, its memory sampler (~13 ms a sample
-        # of the process tree, 5 a second) included; the server's own threads are exact.
-        one.server_cpu_s = server.cpu_s - server_cpu_before
     print(f" {one.wall_s or 0:.1f} s, {one.status}", flush=True)
     return one
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import threading
@@ -24,7 +23,7 @@ from typing import Any
 from fastload.bench.e2e_child import MARK
 from fastload.bench.e2e_report import Run
 from fastload.bench.runner import process_tree, pss_bytes
-from fastload.testing import RemoteControls
+from fastload.testing.http_server import LoopbackServer
 
 
 @contextmanager
@@ -75,7 +74,7 @@ def run_child(
     python: str,
     spec: dict[str, Any],
     run_dir: Path,
-    server: RemoteControls | None,
+    server: LoopbackServer | None,
     timeout_s: float,
 ) -> Run:
     """Runs ``e2e_child run`` for spec with ``python``, in a process of its own; counts
@@ -89,7 +88,7 @@ def run_child(
     cmd = [python, "-m", "fastload.bench.e2e_child", "run", "spec.json", "result.json"]
     if server is not None:
         server.reset_stats()
-    own = resource.getrusage(resource.RUSAGE_SELF)
+        server_cpu_before = server.cpu_s  # its request threads only, not our sampler
     start = time.perf_counter()
     with open(run_dir / "log.txt", "w") as log:
         proc = subprocess.Popen(
@@ -131,10 +130,9 @@ def run_child(
         if proc.stdout is not None:
             proc.stdout.close()
     run.wall_s = time.perf_counter() - start
-    mine = resource.getrusage(resource.RUSAGE_SELF)
-    run.server_cpu_s = (mine.ru_utime + mine.ru_stime) - (own.ru_utime + own.ru_stime)
     run.peak_tree_pss_bytes = peak[0] or None
     if server is not None:
+        run.server_cpu_s = server.cpu_s - server_cpu_before
         stats = server.stats()
         run.remote_bytes, run.remote_requests = stats.bytes_sent, stats.total
     if run.status == "ok" and (code != 0 or not result_path.exists()):
