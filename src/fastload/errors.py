@@ -45,3 +45,12 @@ class CacheError(FastloadError, OSError):
 
 class CacheCorruptError(CacheError):
     """A cached file no longer matches its recorded size or checksum."""
+
+
+class UnknownProtocolError(FastloadError, ValueError):
+    """A URL whose protocol no fsspec filesystem handles (a typo, or an unsupported scheme)."""
+
+
+class MissingBackendError(FastloadError, ImportError):
+    """The fsspec backend for a URL's protocol is not installed; the message says what to
+    ``pip install``."""

@@ -21,10 +21,11 @@ import functools
 import os
 import ssl
 import xml.etree.ElementTree as ElementTree
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_plus
 
-import aiohttp
+if TYPE_CHECKING:  # aiohttp comes with s3fs; imported where a presigned GET is made
+    import aiohttp
 
 _NS = {"s3": "http://s3.amazonaws.com/doc/2006-03-01/"}
 _EXPIRES_S = 3600  # a URL is used once, within seconds; an hour leaves room for clock skew
@@ -53,6 +54,8 @@ class PresignedGets:
         config = client.meta.config
         if getattr(config, "proxies", None) or getattr(config, "client_cert", None):
             return None
+        import aiohttp
+
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=connections, ssl=_ssl_for(fs)),
             trust_env=True,  # HTTP(S)_PROXY from the environment, as botocore honours them
@@ -109,6 +112,8 @@ class PresignedGets:
     async def _request(
         self, operation: str, params: dict[str, str], headers: dict[str, str]
     ) -> bytes:
+        import aiohttp
+
         url = await self._client.generate_presigned_url(
             operation, Params=params, ExpiresIn=_EXPIRES_S
         )

@@ -19,22 +19,46 @@ from typing import Any, TypeVar
 import fsspec
 
 from fastload.errors import (
+    MissingBackendError,
     RemoteAccessError,
     RemoteError,
     RemoteIntegrityError,
     RemoteNotFoundError,
+    UnknownProtocolError,
 )
 
 T = TypeVar("T")
 _THROTTLE_PATTERN = re.compile(r"SlowDown|Throttl|TooManyRequests|RequestLimitExceeded|\b429\b")
 _TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 _PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId"}
+# What to install for a protocol whose fsspec backend is missing (a bare `pip install
+# fastload` has only local files).
+_S3_EXTRA = 'pip install "fastload[s3]"'
+_HTTP_EXTRA = 'pip install "fastload[http]"'
+_BACKEND_INSTALL = {
+    "s3": _S3_EXTRA,
+    "s3a": _S3_EXTRA,
+    "http": _HTTP_EXTRA,
+    "https": _HTTP_EXTRA,
+    "gs": "pip install gcsfs",
+    "gcs": "pip install gcsfs",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+    "abfss": "pip install adlfs",
+    "adl": "pip install adlfs",
+    "hf": "pip install huggingface_hub",
+}
 
 
 def open_filesystem(
     url: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem for url and the dataset root path in that filesystem's terms."""
+    """The filesystem for url and the dataset root path in that filesystem's terms.
+
+    Raises UnknownProtocolError for a protocol fsspec does not know, MissingBackendError
+    (naming the package) where its backend is not installed.
+    """
+    check_protocols(url)
     options = dict(storage_options or {})
     if fsspec.core.split_protocol(url)[0] in ("s3", "s3a"):
         # s3fs sends a HEAD before every whole-object GET to decide whether to split it,
@@ -42,6 +66,24 @@ def open_filesystem(
         options.setdefault("max_concurrency", 1)
     fs, root = fsspec.core.url_to_fs(url, **options)
     return fs, root.rstrip("/") if root not in ("/", "") else root
+
+
+def check_protocols(url: str) -> None:
+    """Raises unless every protocol of url (``a::b://...`` chains too) can be opened here."""
+    for part in url.split("::"):
+        protocol = fsspec.core.split_protocol(part)[0] or "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:
+            hint = _BACKEND_INSTALL.get(protocol, f"fsspec says: {exc}")
+            raise MissingBackendError(
+                f"{protocol}:// URLs need a package that is not installed: {hint}"
+            ) from None
+        except ValueError:
+            raise UnknownProtocolError(
+                f"unknown protocol {protocol}:// in {public_url(url)}; fastload reads local "
+                "paths and what fsspec knows (s3://, gs://, az://, http(s)://, hf://, ...)"
+            ) from None
 
 
 def public_url(url: str) -> str:
