@@ -22,19 +22,22 @@ Systems (:func:`systems`; a peer joins by adding an entry there):
 * ``fastload CPU in DataLoader processes``: the same decoder with one thread in each of
   ``workers`` torch DataLoader worker processes, a batch per task: threads vs processes.
 * ``torch DataLoader + Pillow`` (the reference of every ratio): ``workers`` DataLoader
-  processes, Pillow decoding, and hand-written torch equivalents of RandomResizedCrop
-  (torchvision's parameter draw), flip and normalize on float32, or Resize + CenterCrop with
-  torchvision's rounding. torchvision itself cannot be used here (no torchvision build works
-  with this environment's torch 2.13), so this stands in for the canonical
-  ``torchvision.datasets.ImageFolder`` + transforms pipeline; it resizes on float32 tensors
-  where torchvision v1 resizes PIL images.
+  processes, Pillow decoding, and hand-written torch equivalents (:class:`TorchOps`) of
+  RandomResizedCrop (torchvision's parameter draw), flip and normalize, or Resize +
+  CenterCrop with torchvision's rounding, ordered as torchvision's v2 transforms on a uint8
+  tensor: crop, resize and flip on uint8, then only the output to normalized float32.
+  torchvision itself cannot be used here (no torchvision build works with this
+  environment's torch 2.13), so this stands in for the canonical
+  ``torchvision.datasets.ImageFolder`` + transforms pipeline.
 * ``simplejpeg + torch ops, DataLoader``: the same torch ops after simplejpeg's decode, in
   ``workers`` DataLoader processes (TARGETS.md's "simplejpeg + torch ops" peer).
 * ``simplejpeg + torch ops, plain loop``: the same in the calling thread, one image at a time.
 
-NVIDIA DALI's CPU pipeline is to be added as a peer (issue #5) by appending to
-:func:`systems`. DataLoader workers start from a forkserver, not forked from this process
-(whose other systems' threads may be running).
+Where NVIDIA DALI is installed, two more: ``fastload DALI backend, CPU graph`` (fastload's
+DALI decoder on the CPU, slicing fastload's own crop boxes) and ``DALI's own CPU pipeline``
+(``readers.file`` + ``decoders.image_random_crop`` + ``resize`` + ``crop_mirror_normalize``,
+as DALI's users write it). DataLoader workers start from a forkserver, not forked from this
+process (whose other systems' threads may be running).
 
 A third case times the JPEG decoders alone on one thread, over 500 of the files in memory
 (ratios to Pillow): Pillow, Pillow with ``draft()`` at 1/2, simplejpeg, simplejpeg at 1/2,
@@ -167,17 +170,24 @@ def random_resized_crop_box(
 
 
 class TorchOps:
-    """RandomResizedCrop + flip + normalize, or Resize + CenterCrop + normalize, on float32
-    CHW tensors as a user would write them without torchvision (antialiased bilinear)."""
+    """RandomResizedCrop + flip + normalize, or Resize + CenterCrop + normalize, as
+    torchvision's v2 transforms do them on a uint8 tensor, written in plain torch: crop,
+    antialiased bilinear resize and flip on uint8 (torch's fast uint8 kernel, channels-last
+    as a decoded HWC image already is), then only the output converted to normalized float32
+    CHW. The old order, the whole image to float32 first, made a peer pay for converting
+    pixels it then cropped away (``float_first=True`` keeps it, for comparison)."""
 
-    def __init__(self, preset: Preset, seed: int = 0) -> None:
+    def __init__(self, preset: Preset, seed: int = 0, *, float_first: bool = False) -> None:
         self.preset = preset
         self.rng = random.Random(seed)
+        self.float_first = float_first
         self.mean = torch.tensor(preset.mean).view(3, 1, 1)
         self.std = torch.tensor(preset.std).view(3, 1, 1)
 
     def __call__(self, rgb: npt.NDArray[np.uint8]) -> torch.Tensor:
-        x = torch.from_numpy(rgb).permute(2, 0, 1).float().div_(255)
+        x = torch.from_numpy(rgb).permute(2, 0, 1)  # CHW view of HWC: channels-last in memory
+        if self.float_first:
+            x = x.float().div_(255)
         h, w = x.shape[1:]
         p = self.preset
         if isinstance(p, TrainPreset):
@@ -192,13 +202,17 @@ class TorchOps:
             x = self._resize(x, (new_h, new_w))
             top, left = round((new_h - p.size) / 2.0), round((new_w - p.size) / 2.0)
             x = x[:, top : top + p.size, left : left + p.size]
+        if x.dtype == torch.uint8:
+            x = x.to(torch.float32, memory_format=torch.contiguous_format).div_(255)
         return x.sub_(self.mean).div_(self.std)
 
     @staticmethod
     def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-        return F.interpolate(
-            x[None], size=size, mode="bilinear", antialias=True, align_corners=False
-        )[0]
+        if x.dtype == torch.uint8:  # the uint8 kernel wants channels-last rows
+            x = x[None].contiguous(memory_format=torch.channels_last)
+        else:
+            x = x[None]
+        return F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def pillow_rgb(path: Path) -> npt.NDArray[np.uint8]:
@@ -431,8 +445,8 @@ def systems() -> list[System]:
         System("fastload CPU", _fastload_threads, "threads, DCT-scaled decode"),
         System("fastload CPU, DCT scaling off", _fastload_no_dct, "threads"),
         System("fastload CPU in DataLoader processes", _fastload_processes, "1 thread each"),
-        System(REFERENCE, _dataloader_pillow, "float32 torch ops"),
-        System("simplejpeg + torch ops, DataLoader", _dataloader_simplejpeg, "float32 torch ops"),
+        System(REFERENCE, _dataloader_pillow, "uint8 crop + resize torch ops"),
+        System("simplejpeg + torch ops, DataLoader", _dataloader_simplejpeg, "uint8 torch ops"),
         System("simplejpeg + torch ops, plain loop", _plain_loop, "1 process"),
     ]
     if importlib.util.find_spec("nvidia") and importlib.util.find_spec("nvidia.dali"):
