@@ -59,7 +59,9 @@ def test_commands_still_open_say_so_and_exit_2(args, issue) -> None:
 def test_bad_usage_exits_2(args) -> None:
     out = run(*args)
     assert out.returncode == 2
-    assert "usage: fastload" in out.stderr
+    assert out.stderr.count("\n") == 1  # one line, pointing at the usage
+    assert "(see fastload" in out.stderr
+    assert "--help)" in out.stderr
 
 
 def test_bench_on_a_missing_dataset_fails_with_one_line(tmp_path: Path) -> None:

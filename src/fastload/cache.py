@@ -287,7 +287,10 @@ class Cache:
         policy: Policy = "lru",
         lock_timeout_s: float = 600.0,
         fsync: bool = False,
+        create: bool = True,
     ) -> None:
+        """``create=False`` opens only an existing cache (a CacheError names the folder
+        otherwise), for tools that inspect one rather than fill it."""
         self.config = CacheConfig(
             cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
             max_bytes=max_bytes,
@@ -296,10 +299,24 @@ class Cache:
             fsync=fsync,
         )
         self.dir = self.config.cache_dir
+        if not create and not (self.dir / "index.sqlite").is_file():
+            raise CacheError(
+                errno.ENOENT,
+                f"there is no fastload cache in {self.dir}; check the cache directory "
+                "(cache_dir, --cache-dir or $FASTLOAD_CACHE_DIR)",
+            )
         # objects/<xx>/ subfolders are made at their first publish: making all 256 up front
         # costs half a second on some disks, before a new cache's first batch.
-        for sub in ("objects", "tmp", "manifests"):
-            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            for sub in ("objects", "tmp", "manifests"):
+                (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(
+                exc.errno,
+                f"cannot use {self.dir} as the cache directory ({exc.strerror}: "
+                f"{exc.filename}); choose a writable folder with cache_dir, --cache-dir or "
+                "$FASTLOAD_CACHE_DIR",
+            ) from exc
         self.fetch_locks = FetchLocks.for_path(self.dir / "fetch.lock")
         self._lock = threading.RLock()  # serializes this process's writes
         self._db: sqlite3.Connection | None = None

@@ -1,7 +1,10 @@
 """The ``fastload`` command: parses arguments, calls the library, prints. No logic lives here.
 
-Exit codes: 0 success, 1 the work failed (one-line reason on stderr), 2 bad usage or a
-command whose work is still open.
+Exit codes: 0 success; 1 the work failed (the remote refused or holds no objects, the
+cache directory is missing or unusable, a fetch failed); 2 the command line cannot work as
+given (a bad option or value, an unknown URL protocol, a backend package that is not
+installed, a command whose work is still open). Either way stderr gets one line saying
+what to do, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import fastload
-from fastload.errors import FastloadError, NotYetAvailableError
+from fastload.datasets import FORMATS
+from fastload.errors import (
+    FastloadError,
+    MissingBackendError,
+    NotYetAvailableError,
+    UnknownProtocolError,
+)
 from fastload.plan import DEFAULT_WINDOW_SHARDS
 
 if TYPE_CHECKING:
@@ -52,18 +61,32 @@ def _print(payload: dict[str, Any] | list[Any], as_json: bool, text: str) -> Non
 
 
 def parse_int_range(text: str) -> tuple[int, ...]:
-    """'3' -> (3,); '0..2' -> (0, 1, 2) inclusive; '0,2,5' -> (0, 2, 5)."""
+    """'3' -> (3,); '0..2' -> (0, 1, 2) inclusive; '0,2,5' -> (0, 2, 5); none negative."""
     try:
         if ".." in text:
             first, last = (int(x) for x in text.split("..", 1))
             if last < first:
                 raise ValueError
-            return tuple(range(first, last + 1))
-        return tuple(int(x) for x in text.split(","))
+            values = tuple(range(first, last + 1))
+        else:
+            values = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a number, list or range: {text!r} (try 0..2)"
         ) from None
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r} (try 0..2)")
+    return values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _warm(args: argparse.Namespace) -> int:
@@ -74,16 +97,19 @@ def _warm(args: argparse.Namespace) -> int:
     if any(given):
         if not all(given):
             raise UsageError("--rank, --world-size and --epochs go together")
-        share = NodeShare(
-            ranks=args.rank,
-            world_size=args.world_size,
-            epochs=args.epochs,
-            format=args.format,
-            seed=args.seed,
-            shuffle=not args.no_shuffle,
-            drop_last=args.drop_last,
-            window_shards=args.window_shards,
-        )
+        try:
+            share = NodeShare(
+                ranks=args.rank,
+                world_size=args.world_size,
+                epochs=args.epochs,
+                format=args.format or "auto",
+                seed=args.seed,
+                shuffle=not args.no_shuffle,
+                drop_last=args.drop_last,
+                window_shards=args.window_shards,
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     report = warm(
         args.url,
         cache_dir=args.cache_dir,
@@ -94,6 +120,7 @@ def _warm(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         progress=None if not args.json else False,
         share=share,
+        format=args.format if share is None else None,
     )
     if args.dry_run:
         text = (
@@ -116,7 +143,7 @@ def _warm(args: argparse.Namespace) -> int:
 def _cache(args: argparse.Namespace) -> int:
     from fastload.cache import Cache
 
-    with Cache(args.cache_dir) as cache:
+    with Cache(args.cache_dir, create=False) as cache:
         if args.action == "ls":
             entries = cache.entries()
             _print(
@@ -245,7 +272,7 @@ def _bandwidth(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fastload",
         description="Stage datasets onto local NVMe and feed GPUs without waiting.",
     )
@@ -255,18 +282,22 @@ def build_parser() -> argparse.ArgumentParser:
     warm = sub.add_parser("warm", help="stage a dataset (or one node's share of it) into the cache")
     warm.add_argument("url")
     warm.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
-    warm.add_argument("--format", default="auto")
-    warm.add_argument("--jobs", type=int, help="requests in flight at most (default 64)")
+    warm.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="open the dataset in this format (auto: detect) and stage only what it reads",
+    )
+    warm.add_argument("--jobs", type=positive_int, help="requests in flight at most (default 64)")
     warm.add_argument("--max-bytes", type=parse_size, help="cache budget, e.g. 200G")
     warm.add_argument("--policy", choices=["lru", "pin", "plan"], default="lru")
     warm.add_argument("--refresh", action="store_true", help="list the remote again")
     warm.add_argument("--rank", type=parse_int_range, help="this node's ranks: R, R1,R2 or R1..R2")
-    warm.add_argument("--world-size", type=int)
+    warm.add_argument("--world-size", type=positive_int)
     warm.add_argument("--epochs", type=parse_int_range, help="E, or E..F inclusive")
     warm.add_argument("--seed", type=int, default=0, help="the sampler's seed (with --rank)")
     warm.add_argument("--no-shuffle", action="store_true", help="the sampler does not shuffle")
     warm.add_argument("--drop-last", action="store_true", help="the sampler drops the tail")
-    warm.add_argument("--window-shards", type=int, default=DEFAULT_WINDOW_SHARDS)
+    warm.add_argument("--window-shards", type=positive_int, default=DEFAULT_WINDOW_SHARDS)
     warm.add_argument("--dry-run", action="store_true")
     warm.add_argument("--json", action="store_true")
     warm.set_defaults(run=_warm)
@@ -318,6 +349,13 @@ class UsageError(Exception):
     """Arguments that parse but do not fit together (exit code 2)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (the usage is under --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -325,16 +363,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args)
     except UsageError as exc:
         parser.error(str(exc))
-    except NotYetAvailableError as exc:
-        print(f"fastload: {exc}", file=sys.stderr)
+    except (NotYetAvailableError, UnknownProtocolError, MissingBackendError) as exc:
+        print(f"fastload: {_one_line(exc)}", file=sys.stderr)
         return 2
     except FastloadError as exc:
-        print(f"fastload: {exc}", file=sys.stderr)
+        print(f"fastload: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the machine said no (permissions, a full disk): not a bug here
+        print(f"fastload: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("fastload: interrupted", file=sys.stderr)
         return 130
     return code
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:  # not "[Errno 2] ..."
+        text = exc.strerror
+        if exc.filename and not isinstance(exc, FastloadError):  # ours name it already
+            text += f": {exc.filename}"
+    else:
+        text = str(exc)
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

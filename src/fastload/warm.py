@@ -58,6 +58,14 @@ class NodeShare:
         return list(dict.fromkeys(keys)), accesses
 
 
+def dataset_keys(url: str, format: str, **open_options: Any) -> list[str]:
+    """Every object key the dataset at url reads when opened in format, shard by shard."""
+    from fastload.datasets import open_dataset
+
+    with open_dataset(url, format=format, **open_options) as dataset:
+        return list(dict.fromkeys(k for keys in dataset.shard_keys for k in keys))
+
+
 @dataclass(frozen=True, kw_only=True)
 class WarmReport:
     """What a warm did; ``to_dict()`` is what ``fastload warm --json`` prints."""
@@ -128,6 +136,7 @@ def warm(
     progress: bool | Callable[[_Progress], None] | None = None,
     fetch: FetchConfig | None = None,
     share: NodeShare | None = None,
+    format: str | None = None,
 ) -> WarmReport:
     """Stages url's objects (or only ``keys``, in that order) into the cache.
 
@@ -135,6 +144,9 @@ def warm(
     order they will read them (the dataset is opened with ``share.format`` to know its
     shards; the plan settings must match the training job's sampler). With the ``plan``
     policy the cache then also knows the future and evicts what is needed furthest ahead.
+    With ``format`` (``"auto"`` detects it), the dataset is opened in that format first, so
+    a URL that does not hold one fails before anything is staged, and only the objects the
+    dataset reads are staged (opening a tar dataset indexes its shards through the cache).
 
     Resumable: objects already cached (same version) are not fetched again. A permanent
     failure (not found, access refused, full disk) raises; transient failures that outlast
@@ -143,6 +155,18 @@ def warm(
     """
     started = time.monotonic()
     hint: list[str] | None = None
+    if format is not None:
+        if keys is not None or share is not None:
+            raise ValueError("give one of keys, share and format (share has its own format)")
+        keys = dataset_keys(
+            url,
+            format,
+            cache_dir=cache_dir,
+            storage_options=storage_options,
+            refresh=refresh,
+            ttl_s=ttl_s,
+        )
+        refresh = False  # listed just now
     if share is not None:
         if keys is not None:
             raise ValueError("give keys or share, not both")
