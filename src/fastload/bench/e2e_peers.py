@@ -236,28 +236,11 @@ class TarStream(tud.IterableDataset[Sample]):
         return self.samples
 
     def _raw(self, shards: list[str]) -> Iterator[tuple[bytes, int]]:
-        """(image bytes, label) of each sample: members grouped by key as WebDataset does
-        (``KEY.jpg`` + ``KEY.cls``; label -1 where a sample has no ``.cls``)."""
+        """(image bytes, label) of each sample of these shards, in order."""
         fs = self.fs.get()
         for shard in shards:
-            with fs.open(shard, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
-                key, image, label = None, None, -1
-                for member in tar:
-                    data = tar.extractfile(member)
-                    if data is None:
-                        continue
-                    base = member.name.rsplit("/", 1)[-1]
-                    stem, _, suffix = base.partition(".")
-                    if stem != key:
-                        if image is not None:
-                            yield image, label
-                        key, image, label = stem, None, -1
-                    if suffix.lower() in ("jpg", "jpeg"):
-                        image = data.read()
-                    elif suffix == "cls":
-                        label = int(data.read())
-                if image is not None:
-                    yield image, label
+            with fs.open(shard, "rb") as f:
+                yield from tar_samples(f)
 
     def __iter__(self) -> Iterator[Sample]:
         info = tud.get_worker_info()
@@ -310,6 +293,30 @@ class ZarrRows(tud.Dataset[Sample]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self.ops(np.asarray(images[i])), int(labels[i])
+
+
+def tar_samples(stream: Any) -> Iterator[tuple[bytes, int]]:
+    """(image bytes, label) of each sample of one tar shard read as a stream: members
+    grouped by key as WebDataset does (``KEY.jpg`` + ``KEY.cls``; label -1 where a sample
+    has no ``.cls``)."""
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        key, image, label = None, None, -1
+        for member in tar:
+            data = tar.extractfile(member)
+            if data is None:
+                continue
+            base = member.name.rsplit("/", 1)[-1]
+            stem, _, suffix = base.partition(".")
+            if stem != key:
+                if image is not None:
+                    yield image, label
+                key, image, label = stem, None, -1
+            if suffix.lower() in ("jpg", "jpeg"):
+                image = data.read()
+            elif suffix == "cls":
+                label = int(data.read())
+        if image is not None:
+            yield image, label
 
 
 def _zarr_rows(spec: RunSpec) -> int:
@@ -394,20 +401,28 @@ def _folder_labels(spec: RunSpec, keys: list[str]) -> list[int]:
 # --- NVIDIA DALI's own reader and CPU pipeline (on a local copy) ---------------------------
 
 
+def fsspec_download(spec: RunSpec, local: str) -> None:
+    """The layout's files into the folder ``local`` with fsspec's ``get``."""
+    fs, root = _remote(spec)
+    fs.get(root + "/", local + "/", recursive=True)
+
+
 class _DALILoader:
     """DALI as its users write it, on the files after downloading them (DALI reads local
     files only): ``readers.file`` for the folder, ``readers.webdataset`` for tar shards,
     ``decoders.image_random_crop`` + ``resize`` + ``crop_mirror_normalize``. Its
-    checkpointing gives the resume figure."""
+    checkpointing gives the resume figure. ``download(spec, local)`` makes the copy (by
+    default fsspec's ``get``; :mod:`fastload.bench.e2e_s3_peers` passes s5cmd's)."""
 
-    def __init__(self, spec: RunSpec, state: Any) -> None:
+    def __init__(
+        self, spec: RunSpec, state: Any, download: Callable[[RunSpec, str], None] | None = None
+    ) -> None:
         self.extra: dict[str, float] = {}
         self.no_resume = ""
         local = os.path.join(spec.work_dir, "download")
         if not os.path.isdir(local):  # the cold epoch includes the download
             start = time.perf_counter()
-            fs, root = _remote(spec)
-            fs.get(root + "/", local + "/", recursive=True)
+            (download or fsspec_download)(spec, local)
             self.extra["download_s"] = time.perf_counter() - start
         dali: Any = importlib.import_module("nvidia.dali")
         fn = dali.fn
@@ -577,6 +592,18 @@ def _aws_env(spec: RunSpec) -> dict[str, str]:
     return env
 
 
+def _s3_peer(name: str) -> Opener:
+    """An opener of :mod:`fastload.bench.e2e_s3_peers` (s3torchconnector, s5cmd + DALI),
+    imported when it runs."""
+
+    def open_loader(spec: RunSpec, state: Any) -> Loader:
+        module = importlib.import_module("fastload.bench.e2e_s3_peers")
+        loader: Loader = getattr(module, name)(spec, state)
+        return loader
+
+    return open_loader
+
+
 # Imported before any timer starts (an import is no part of a loader's start-up).
 IMPORTS: dict[str, tuple[str, ...]] = {
     "fastload": ("fastload", "fastload.loader", "s3fs"),  # s3fs: as the peers have it
@@ -585,6 +612,8 @@ IMPORTS: dict[str, tuple[str, ...]] = {
     "DALI reader + CPU pipeline": ("fsspec", "s3fs", "nvidia.dali"),
     "mosaicml-streaming": ("streaming",),
     "litdata": ("litdata", "litdata.streaming.downloader"),
+    "s3torchconnector": ("fastload.bench.e2e_s3_peers", "s3torchconnector"),
+    "s5cmd + DALI reader + CPU pipeline": ("fastload.bench.e2e_s3_peers", "nvidia.dali"),
 }
 
 SYSTEMS: dict[str, Opener] = {
@@ -594,4 +623,6 @@ SYSTEMS: dict[str, Opener] = {
     "DALI reader + CPU pipeline": _DALILoader,
     "mosaicml-streaming": _mosaic,
     "litdata": _litdata,
+    "s3torchconnector": _s3_peer("open_s3torchconnector"),
+    "s5cmd + DALI reader + CPU pipeline": _s3_peer("open_s5cmd_dali"),
 }
