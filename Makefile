@@ -1,6 +1,8 @@
 # One entry point per job; each installs what it needs into .venv first.
-#   make test         lint + C++ tests + the whole pytest suite (what CI runs)
+#   make test         lint + C++ tests + a bare install's check + the whole pytest suite
+#                     (what CI runs; installs .[test])
 #   make bench-quick  the main job: `fastload bench --quick` on a generated dataset
+#                     (installs .[bench] only)
 #   make bench        the full benchmark
 #   make bench-peers  .venv-peers: the peers that need torchvision (mosaicml-streaming,
 #                     litdata; ~5.5 GB with CUDA torch); `make bench` then measures them too
@@ -10,15 +12,30 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 NATIVE_SOURCES := $(wildcard native/*.cpp native/*.hpp native/tests/*.cpp)
 
-.PHONY: install test test-native lint format bench bench-quick bench-peers clean
+.PHONY: build-deps install install-bench check-bare-install test test-native lint format \
+	bench bench-quick bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-install: $(BIN)/python
+# torch for this machine, and the build tools: fastload builds without isolation.
+build-deps: $(BIN)/python
 	scripts/install-torch $(BIN)/python
-	$(BIN)/python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" cmake ninja clang-format
+	$(BIN)/python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" cmake ninja
+
+# For `make test`: the test extra (pytest, linters, moto, zarr, DALI, matplotlib, ...).
+install: build-deps
+	$(BIN)/python -m pip install -q clang-format
 	$(BIN)/python -m pip install -q --no-build-isolation ".[test]"
+
+# For `make bench-quick` and `make bench`: what `fastload bench` runs, nothing else.
+install-bench: build-deps
+	$(BIN)/python -m pip install -q --no-build-isolation ".[bench]"
+
+# `pip install fastload` with no extras, in a fresh venv under build/: imports, --version,
+# `fastload warm` of a local folder, and s3:// naming its extra.
+check-bare-install:
+	scripts/check-bare-install $(PYTHON)
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks
@@ -38,21 +55,16 @@ test-native: install
 	$(BIN)/cmake --build build/native-tests
 	$(BIN)/ctest --test-dir build/native-tests --output-on-failure
 
-test: lint test-native
+test: lint test-native check-bare-install
 	$(BIN)/python -m pytest
 
-# The bench extra (matplotlib, for the chart), without reinstalling fastload itself.
-BENCH_EXTRA := "matplotlib>=3.7"
-
-bench-quick: install
-	$(BIN)/python -m pip install -q $(BENCH_EXTRA)
+bench-quick: install-bench
 	$(BIN)/fastload bench --quick
 
-bench: install
-	$(BIN)/python -m pip install -q $(BENCH_EXTRA)
+bench: install-bench
 	$(BIN)/fastload bench
 
-bench-peers: install
+bench-peers:
 	PYTHON=$(PYTHON) scripts/bench-peers .venv-peers
 
 clean:
