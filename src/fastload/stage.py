@@ -293,7 +293,7 @@ class Stager:
     async def _within_timeout(self, path: str, call: Awaitable[bytes]) -> bytes:
         try:
             return await asyncio.wait_for(call, self.config.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RemoteError(
                 110, f"no complete answer for {path} within {self.config.timeout_s:.0f}s"
             ) from None
