@@ -27,6 +27,7 @@ from fastload.errors import (
     UnknownProtocolError,
 )
 from fastload.plan import DEFAULT_WINDOW_SHARDS
+from fastload.remote import scrub
 
 if TYPE_CHECKING:
     from fastload.bench.runner import Report
@@ -385,7 +386,7 @@ def _one_line(exc: BaseException) -> str:
             text += f": {exc.filename}"
     else:
         text = str(exc)
-    return " ".join(text.split())
+    return scrub(" ".join(text.split()))  # a backend's text may hold a signed URL
 
 
 if __name__ == "__main__":

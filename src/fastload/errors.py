@@ -24,7 +24,15 @@ class NotYetAvailableError(FastloadError, NotImplementedError):
 
 
 class RemoteError(FastloadError, OSError):
-    """Fetching or listing a remote object failed; the message names the URL."""
+    """Fetching or listing a remote object failed; the message names the URL (``filename``).
+
+    Where the remote answered, ``status`` is the HTTP status and ``code`` the remote's error
+    code (S3's ``SlowDown``, ``AccessDenied``); ``reason`` is the message without the URL,
+    for reports that list URLs apart. None of them ever holds a credential."""
+
+    status: int | None = None
+    code: str | None = None
+    reason: str = ""
 
 
 class RemoteNotFoundError(RemoteError, FileNotFoundError):

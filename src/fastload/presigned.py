@@ -24,6 +24,8 @@ import xml.etree.ElementTree as ElementTree
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_plus
 
+from fastload.remote import HTTPResponseError
+
 if TYPE_CHECKING:  # aiohttp comes with s3fs; imported where a presigned GET is made
     import aiohttp
 
@@ -68,8 +70,9 @@ class PresignedGets:
 
     async def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes [start, end) (the whole object for None, None), as s3fs's
-        ``_cat_file`` gives them. Raises NotHandled, or aiohttp.ClientResponseError carrying
-        the status and S3's error body (for :func:`fastload.remote.classify`)."""
+        ``_cat_file`` gives them. Raises NotHandled, or HTTPResponseError carrying the status
+        and S3's error code and message (for :func:`fastload.remote.classify`), never the
+        presigned URL (it holds the credentials)."""
         bucket, key, version = self._fs.split_path(path)
         params = {"Bucket": bucket, "Key": key}
         if version:
@@ -112,8 +115,6 @@ class PresignedGets:
     async def _request(
         self, operation: str, params: dict[str, str], headers: dict[str, str]
     ) -> bytes:
-        import aiohttp
-
         url = await self._client.generate_presigned_url(
             operation, Params=params, ExpiresIn=_EXPIRES_S
         )
@@ -124,12 +125,8 @@ class PresignedGets:
             if 300 <= response.status < 400 or response.status in (400, 501):
                 self.declined = True  # the same answer awaits every object of this bucket
                 raise NotHandled(response.status)
-            raise aiohttp.ClientResponseError(
-                response.request_info,
-                (),
-                status=response.status,
-                message=body[:300].decode("utf-8", "replace"),  # S3's code: NoSuchKey, SlowDown
-            )
+            # Not aiohttp's ClientResponseError: its text is the whole signed URL.
+            raise HTTPResponseError.from_body(response.status, body)
 
 
 def _timestamp(text: str | None) -> datetime.datetime | None:

@@ -3,16 +3,28 @@
 fsspec is the transport only. This module turns a dataset URL into a filesystem and a root,
 strips credentials from URLs before they are shown or stored, and sorts backend exceptions
 into transient ones (worth a retry) and permanent ones (fail fast, naming the URL).
+
+No credential reaches what fastload shows. Errors are written from structured fields (the
+public URL, the HTTP status, the remote's error code and message, the attempts made), never
+from a backend exception's text alone: aiohttp's text of a presigned GET carries the whole
+URL, key id, signature and session token included. :func:`scrub` is the last line of
+defence on any text that still comes from a backend; :func:`clean_cause` keeps such text
+out of the exception chain a traceback prints; and the DEBUG loggers of the transports
+(botocore logs what it signs, headers and session token included) get a filter that
+redacts the same things (:func:`redact_transport_logs`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import http
+import logging
 import random
 import re
 import time
 import urllib.parse
+import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -65,6 +77,7 @@ def open_filesystem(
         # doubling requests, latency and client CPU; the stager splits large objects itself.
         options.setdefault("max_concurrency", 1)
     fs, root = fsspec.core.url_to_fs(url, **options)
+    redact_transport_logs()  # the backend's modules (and their loggers) are imported now
     return fs, root.rstrip("/") if root not in ("/", "") else root
 
 
@@ -142,6 +155,17 @@ def _status(exc: BaseException) -> int | None:
     return None
 
 
+def _code_and_message(exc: BaseException) -> tuple[str | None, str | None]:
+    """The remote's error code and message (S3's ``<Code>`` and ``<Message>``), if exc has them."""
+    if isinstance(exc, HTTPResponseError):
+        return exc.error_code, exc.error_message
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        error = response.get("Error") or {}
+        return error.get("Code") or None, error.get("Message") or None
+    return None, None
+
+
 def _chain(exc: BaseException) -> list[BaseException]:
     seen: list[BaseException] = []
     current: BaseException | None = exc
@@ -156,35 +180,274 @@ def is_throttling(exc: BaseException) -> bool:
     return any(_status(e) in (429, 503) or _THROTTLE_PATTERN.search(str(e)) for e in _chain(exc))
 
 
-def classify(exc: BaseException, url: str) -> RemoteError:
+class HTTPResponseError(Exception):
+    """A remote answered a request with an error status: the status and the remote's error
+    code and message, parsed from its body, and nothing of the request (no URL: a presigned
+    one carries the credentials). ``str()`` is ``503 SlowDown (Please reduce your request
+    rate.)``."""
+
+    def __init__(self, status: int, error_code: str | None, error_message: str | None) -> None:
+        self.status = status
+        self.error_code = error_code
+        self.error_message = error_message
+        super().__init__(_describe_status(status, error_code, error_message))
+
+    @classmethod
+    def from_body(cls, status: int, body: bytes) -> HTTPResponseError:
+        """From an S3 error body (``<Error><Code>..</Code><Message>..</Message></Error>``);
+        a body that is not one leaves code and message out."""
+        code = message = None
+        try:
+            root = ElementTree.fromstring(body)
+        except ElementTree.ParseError:
+            pass
+        else:
+            code = (root.findtext("Code") or "").strip() or None
+            message = (root.findtext("Message") or "").strip() or None
+        return cls(status, code, message)
+
+
+def _describe_status(status: int, code: str | None, message: str | None) -> str:
+    if code is None:
+        try:
+            code = http.HTTPStatus(status).phrase
+        except ValueError:
+            code = "error"
+    text = f"{status} {scrub(code)}"
+    return f"{text} ({scrub(message)})" if message else text
+
+
+def describe(exc: BaseException) -> tuple[str, int | None, str | None]:
+    """What went wrong, for a user, without the URL: ``(reason, status, code)``, e.g.
+    ``("503 SlowDown (Please reduce your request rate.)", 503, "SlowDown")``, or
+    ``("ClientOSError: [Errno 104] Connection reset by peer", None, None)`` for a failure
+    without an answer. Built from the exception's fields where it has them, its scrubbed
+    text where not."""
+    chain = _chain(exc)
+    status = next((s for e in chain if (s := _status(e)) is not None), None)
+    code = message = None
+    for e in chain:
+        code, message = _code_and_message(e)
+        if code or message:
+            break
+    if status is not None:
+        return _describe_status(status, code, message), status, code
+    if code is not None:
+        return (f"{scrub(code)} ({scrub(message)})" if message else scrub(code)), None, code
+    text = scrub(" ".join(str(exc).split()))
+    return (f"{type(exc).__name__}: {text}" if text else type(exc).__name__), None, None
+
+
+def classify(exc: BaseException, url: str, *, attempts: int | None = None) -> RemoteError:
     """A fastload error for a backend exception: permanent ones are subclasses that name why.
 
     Anything not known to be permanent is treated as transient (a plain RemoteError), so a
-    new kind of network hiccup is retried rather than failing a long warm.
+    new kind of network hiccup is retried rather than failing a long warm. The message
+    names url (shown as :func:`public_url`), the status, the remote's error code and
+    message, and the attempts made when given; the error's ``status``, ``code`` and
+    ``reason`` (the message without the URL) carry them for reports.
     """
     if isinstance(exc, RemoteError):
         return exc
-    chain = _chain(exc)
-    for e in chain:
-        status = _status(e)
+    url = public_url(url)
+    reason, status, code = describe(exc)
+    for e in _chain(exc):
+        e_status = _status(e)
         name = type(e).__name__
-        if isinstance(e, FileNotFoundError) or status in (404, 410) or "NoSuchKey" in str(e):
-            return RemoteNotFoundError(
-                errno.ENOENT, f"{url} does not exist on the remote; check the URL", url
+        e_code = _code_and_message(e)[0]
+        if (
+            isinstance(e, FileNotFoundError)
+            or e_status in (404, 410)
+            or e_code in ("NoSuchKey", "NoSuchBucket")
+            or "NoSuchKey" in str(e)
+        ):
+            return _remote_error(
+                RemoteNotFoundError,
+                errno.ENOENT,
+                f"{url} does not exist on the remote: {reason}; check the URL",
+                url,
+                reason,
+                status,
+                code,
             )
         if (
             isinstance(e, PermissionError)
-            or status in (401, 403)
+            or e_status in (401, 403)
             or name in _PERMANENT_NAMES
+            or e_code in ("AccessDenied", *_PERMANENT_NAMES)
             or "AccessDenied" in str(e)
         ):
-            return RemoteAccessError(
+            return _remote_error(
+                RemoteAccessError,
                 errno.EACCES,
-                f"access to {url} was refused ({e}); check credentials and storage_options",
+                f"access to {url} was refused: {reason}; check credentials and storage_options",
                 url,
+                reason,
+                status,
+                code,
             )
-    detail = f"{type(exc).__name__}: {exc}".rstrip(": ")
-    return RemoteError(errno.EIO, f"fetching {url} failed: {detail}", url)
+    if attempts is not None:
+        reason = f"{reason} after {attempts} attempt{'s' if attempts != 1 else ''}"
+    timed_out = any(isinstance(e, TIMEOUT_ERRORS) for e in _chain(exc))
+    return _remote_error(
+        RemoteError,
+        errno.ETIMEDOUT if timed_out else errno.EIO,
+        f"fetching {url} failed: {reason}",
+        url,
+        reason,
+        status,
+        code,
+    )
+
+
+def _remote_error(
+    cls: type[RemoteError],
+    err: int,
+    message: str,
+    url: str,
+    reason: str,
+    status: int | None,
+    code: str | None,
+) -> RemoteError:
+    error = cls(err, message, url)
+    error.reason, error.status, error.code = reason, status, code
+    return error
+
+
+# --- keeping credentials out of text --------------------------------------------------------
+
+_REDACTED = "<redacted>"
+# Names whose value is a credential, in a query string (``Signature=...``), a header
+# (``x-amz-security-token:...``, ``'X-Amz-Security-Token': b'...'``) or a log line
+# (botocore's ``Signature:\n<hex>``). ``key`` only in lower case (s3fs's option), not S3's
+# ``Key`` (an object's name).
+_SECRET_NAMES = (
+    r"x-amz-(?:security-token|signature|credential)|x-goog-(?:signature|credential)"
+    r"|awsaccesskeyid|signature|credential|sig|(?:access|session|security|refresh|id)[-_]?token"
+    r"|token|secret(?:[-_]?access)?(?:[-_]?key)?|sse-?customer-?key|password|passwd|(?-i:key)"
+)
+_VALUE = r"""(?:b?'[^']*'|b?"[^"]*"|[^\s&,;'"<>)]+)"""
+_SECRETS = re.compile(
+    # A URL first, whole: secrets go with its query string; its path stays as it is.
+    r"""(?P<url>\b[a-z][a-z0-9+.-]*://[^\s'"<>]+)"""
+    # An Authorization header: its value runs to its closing quote or the end of the line.
+    r"""|(?P<auth>(?<![\w-])(?:proxy-)?authorization['"]?\s*[:=]\s*+)"""
+    r"""(?!<redacted>)(?:b?'[^']*'|b?"[^"]*"|[^\n]+)"""
+    rf"""|(?P<name>(?<![\w-])(?:{_SECRET_NAMES})['"]?\s*[:=]\s*){_VALUE}""",
+    re.IGNORECASE,
+)
+_AWS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA|ANPA|AGPA)[A-Z0-9]{12,}\b")
+
+
+def scrub(text: str) -> str:
+    """text without credentials: URLs lose their query string, fragment and user:password
+    (``https://u:p@host/x?X-Amz-Signature=...`` -> ``https://host/x``), and the values of
+    ``Authorization`` headers, of signature, credential, token, secret and key fields, and
+    AWS key ids become ``<redacted>``. For any text from a backend on its way into an error,
+    a report or a log; idempotent."""
+    return _AWS_KEY_ID.sub(_REDACTED, _SECRETS.sub(_redact, text))
+
+
+def _redact(match: re.Match[str]) -> str:
+    if match["url"]:
+        return _without_secrets(match["url"])
+    return (match["auth"] or match["name"]) + _REDACTED
+
+
+def _without_secrets(url: str) -> str:
+    """url (found in some text) with no userinfo, query string or fragment."""
+    head = re.split(r"[?#]", url, maxsplit=1)[0]
+    scheme, sep, rest = head.partition("://")
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}"
+
+
+class _Redacted(Exception):
+    """Stands in, in an exception chain, for a backend exception whose text carried a
+    credential: its type's name and its scrubbed text, raised where it was."""
+
+
+def clean_cause(exc: BaseException | None) -> BaseException | None:
+    """What to chain under a fastload error (``raise error from clean_cause(exc)``): exc
+    itself when nothing a traceback prints of its chain carries a credential, else
+    stand-ins with the same types' names, scrubbed texts and tracebacks."""
+    if exc is None or not _needs_scrubbing(exc):
+        return exc
+    text = " ".join(str(exc).split())
+    stand_in = _Redacted(f"{type(exc).__module__}.{type(exc).__qualname__}: {scrub(text)}")
+    stand_in.__traceback__ = exc.__traceback__
+    stand_in.__cause__ = clean_cause(_printed_next(exc))
+    return stand_in
+
+
+def _needs_scrubbing(exc: BaseException) -> bool:
+    for e in _printed_chain(exc):
+        text = str(e)
+        if scrub(text) != text or any(scrub(n) != n for n in getattr(e, "__notes__", ())):
+            return True
+    return False
+
+
+def _printed_chain(exc: BaseException) -> list[BaseException]:
+    """exc and the exceptions a traceback of it prints: causes, and contexts not suppressed."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen:
+        seen.append(current)
+        current = _printed_next(current)
+    return seen
+
+
+def _printed_next(exc: BaseException) -> BaseException | None:
+    if exc.__cause__ is not None or exc.__suppress_context__:
+        return exc.__cause__
+    return exc.__context__
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that passes every record with :func:`scrub` applied to its message
+    and traceback text. fastload puts one on the loggers of the transports it drives (see
+    :func:`redact_transport_logs`); add one to a handler of your own for anything else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: logging reports it, not us
+            return True
+        clean = scrub(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = scrub(logging.Formatter().formatException(record.exc_info))
+        if record.stack_info:
+            record.stack_info = scrub(record.stack_info)
+        return True
+
+
+# Loggers of the transports fastload drives that write credentials at DEBUG: botocore's
+# signer (the string it signs, with the session token, and the signature) and endpoint (the
+# request's headers: Authorization, X-Amz-Security-Token), and s3fs's call log (the
+# arguments of each call: an SSE-C key in s3_additional_kwargs). Every logger already made
+# below these namespaces gets the filter too.
+_TRANSPORT_LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint", "s3fs")
+_TRANSPORT_NAMESPACES = ("botocore", "aiobotocore", "s3fs", "aiohttp", "fsspec", "urllib3")
+_FILTER = RedactingFilter()
+
+
+def redact_transport_logs() -> None:
+    """Puts :class:`RedactingFilter` on the transports' loggers (idempotent). A filter on
+    the logger a record is made on applies before any handler sees the record, a user's
+    handlers included, and costs nothing while the level is off."""
+    names = set(_TRANSPORT_LOGGERS)
+    names.update(
+        name
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.split(".", 1)[0] in _TRANSPORT_NAMESPACES
+    )
+    for name in names:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
 
 
 def is_transient(error: RemoteError) -> bool:
@@ -207,12 +470,19 @@ def with_retries(fn: Callable[[], T], url: str, *, retries: int = 5, base_s: flo
             error = classify(exc, url)
             attempt += 1
             if not is_transient(error) or attempt > retries:
-                raise error from exc
+                if error is exc:
+                    raise
+                if is_transient(error):
+                    error = classify(exc, url, attempts=attempt)
+                raise error from clean_cause(exc)
             time.sleep(backoff_s(attempt, base_s, 5.0))
 
 
-def integrity_error(url: str, what: str) -> RemoteIntegrityError:
-    return RemoteIntegrityError(errno.EIO, f"{url}: {what} (a truncated or altered body)", url)
+def integrity_error(url: str, what: str) -> RemoteError:
+    reason = f"{what} (a truncated or altered body)"
+    return _remote_error(
+        RemoteIntegrityError, errno.EIO, f"{url}: {reason}", url, reason, None, None
+    )
 
 
 TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, asyncio.TimeoutError)

@@ -28,10 +28,12 @@ from fastload.presigned import NotHandled, PresignedGets
 from fastload.remote import (
     backoff_s,
     classify,
+    clean_cause,
     integrity_error,
     is_throttling,
     is_transient,
     path_of,
+    scrub,
 )
 
 Outcome = Literal["cached", "fetched", "skipped", "failed"]
@@ -138,11 +140,9 @@ class Stager:
 
     def failure(self, obj: RemoteObject, result: StageResult) -> RemoteError:
         """The error to raise for an object whose fetch failed after its retries."""
-        return RemoteError(
-            5,
-            f"{result.url} could not be fetched after {result.attempts} attempts: {result.error}",
-            result.url,
-        )
+        error = RemoteError(5, f"{result.url} could not be fetched: {result.error}", result.url)
+        error.reason = result.error or ""
+        return error
 
     def stage(
         self,
@@ -229,7 +229,11 @@ class Stager:
                     if is_throttling(exc):
                         await throttle.throttled()
                     if attempts > self.config.retries:
-                        return StageResult(url, "failed", 0, attempts, str(exc))
+                        # The reason without the URL (the report lists it apart), e.g.
+                        # "503 SlowDown (Please reduce your request rate.) after 9 attempts"
+                        reason = exc.reason or scrub(exc.strerror or str(exc))
+                        error = f"{reason} after {attempts} attempts"
+                        return StageResult(url, "failed", 0, attempts, error)
                     c = self.config
                     await asyncio.sleep(backoff_s(attempts, c.backoff_s, c.backoff_max_s))
             published = await asyncio.to_thread(self._write_and_publish, url, obj, data)
@@ -267,7 +271,7 @@ class Stager:
         except FastloadError:
             raise
         except Exception as exc:
-            raise classify(exc, url) from exc
+            raise classify(exc, url) from clean_cause(exc)
         if size is not None and len(data) != size:
             raise integrity_error(url, f"received {len(data)} bytes, expected {size}")
         expected_md5 = _md5_from_version(obj.version)
@@ -294,9 +298,8 @@ class Stager:
         try:
             return await asyncio.wait_for(call, self.config.timeout_s)
         except TimeoutError:
-            raise RemoteError(
-                110, f"no complete answer for {path} within {self.config.timeout_s:.0f}s"
-            ) from None
+            # _fetch makes it a RemoteError naming the object's URL
+            raise TimeoutError(f"no complete answer within {self.config.timeout_s:g}s") from None
 
     def _write_and_publish(self, url: str, obj: RemoteObject, data: bytes) -> bool:
         part = self.cache.new_part(url)
