@@ -241,3 +241,62 @@ def test_a_failed_fetch_shows_no_secret_and_says_what_happened(
     for words in case.says:
         assert words in message
     assert_logs_clean(debug_logs)
+
+
+# --- the fastload script ------------------------------------------------------------------------
+
+FASTLOAD = str(Path(sys.executable).parent / "fastload")
+# S3's other 503: s3fs retries SlowDown five more times inside each of fastload's nine
+# attempts (seconds each); the text the script shows takes the same path either way.
+CLI_FAULTS = {
+    "403": Fault(_status(403), RemoteAccessError, ("403 AccessDenied",)),
+    "503": Fault(
+        lambda s: s.fail_next(
+            1000, 503, code="ServiceUnavailable", path_contains=FAULTY, methods=["GET"]
+        ),
+        None,
+        ("503 ServiceUnavailable", f"after {FetchConfig().retries + 1} attempts"),
+    ),
+}
+
+
+def run_fastload(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [FASTLOAD, *args], capture_output=True, text=True, timeout=300, check=False, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "fault", ["403", pytest.param("503", marks=pytest.mark.slow)]
+)  # 503: nine attempts with fastload's default backoff, ~10 s
+def test_the_fastload_script_shows_no_secret(transport: Transport, fault: str) -> None:
+    case = CLI_FAULTS[fault]
+    eligible = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from fastload import presigned, remote;"
+            f"print(presigned._eligible(remote.open_filesystem({URL!r})[0]))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=transport.env,
+    )
+    assert eligible.stdout.strip() == str(TRANSPORTS[transport.name].presigned), "the premise"
+    case.inject(transport.server)
+    out = run_fastload(["warm", URL, "--json"], transport.env)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert_clean(out.stderr, "the script's stderr")
+    assert_clean(out.stdout, "the script's --json output")
+    if case.raises is not None:
+        (line,) = out.stderr.splitlines()
+    else:
+        report = json.loads(out.stdout)
+        assert [f["url"] for f in report["failures"]] == [FAULTY_URL]
+        (line,) = [line for line in out.stderr.splitlines() if FAULTY_URL in line]
+    assert FAULTY_URL in line
+    for words in case.says:
+        assert words in line
