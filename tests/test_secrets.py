@@ -243,6 +243,45 @@ def test_a_failed_fetch_shows_no_secret_and_says_what_happened(
     assert_logs_clean(debug_logs)
 
 
+@pytest.mark.parametrize("fault", ["403", "503"])
+def test_a_loader_whose_fetch_fails_shows_no_secret(
+    transport: Transport, fault: str, debug_logs: list[str]
+) -> None:
+    dataset = fl.open_dataset(
+        URL,
+        format="files",
+        cache_dir=str(transport.cache_dir),
+        storage_options=transport.storage_options,
+        fetch=QUICK,
+    )
+    FAULTS[fault].inject(transport.server)
+    loader = fl.DataLoader(dataset, batch_size=1)
+    try:
+        with pytest.raises(RemoteError) as caught:
+            for _ in loader:
+                pass
+        assert_exception_clean(caught.value)
+        assert caught.value.__notes__, "the loader says where it was raised"
+        assert_clean(json.dumps(loader.stats()), "the loader's stats()")
+    finally:
+        loader.close()
+    message = str(caught.value)
+    assert FAULTY_URL in message
+    for words in FAULTS[fault].says:
+        assert words in message
+    assert_logs_clean(debug_logs)
+
+
+def test_a_refused_listing_shows_no_secret(transport: Transport, debug_logs: list[str]) -> None:
+    transport.server.fail_next(1000, 403, path_contains=f"/{BUCKET}", methods=["GET"])
+    with pytest.raises(RemoteAccessError) as caught:
+        warm(transport)
+    assert_exception_clean(caught.value)
+    assert f"{URL}" in str(caught.value)
+    assert "403 AccessDenied" in str(caught.value)
+    assert_logs_clean(debug_logs)
+
+
 # --- the fastload script ------------------------------------------------------------------------
 
 FASTLOAD = str(Path(sys.executable).parent / "fastload")
@@ -300,3 +339,86 @@ def test_the_fastload_script_shows_no_secret(transport: Transport, fault: str) -
     assert FAULTY_URL in line
     for words in case.says:
         assert words in line
+
+
+# --- the last line of defence -------------------------------------------------------------------
+
+SIGNATURE = "2YIml71Ky6eLTsZd28BkQeIi9mA"
+SIGNED = (
+    f"http://127.0.0.1:9000/{BUCKET}/{PREFIX}/{FAULTY}?AWSAccessKeyId={KEY_ID}"
+    f"&Signature={SIGNATURE}%3D&x-amz-security-token={TOKEN}&Expires=1796293203"
+)
+# What backends write (the shapes of aiohttp's, botocore's and s3fs's texts), and a part
+# of it that must stay.
+TEXTS = {
+    "aiohttp's error": (f"503, message='Service Unavailable', url='{SIGNED}'", "/bkt/d/f1.bin'"),
+    "an access log line": (f'"GET /bkt/d/f1.bin?{SIGNED.split("?")[1]} HTTP/1.1" 503', "HTTP"),
+    "botocore's string to sign": (
+        f"StringToSign:\nGET\n\n1796293203\nx-amz-security-token:{TOKEN}\n/bkt/d/f1.bin",
+        "/bkt/d/f1.bin",
+    ),
+    "botocore's signature": (f"Signature:\n{SIGNATURE}", "Signature:"),
+    "botocore's headers": (
+        f"headers={{'X-Amz-Security-Token': b'{TOKEN}', 'Authorization': b'AWS4-HMAC-SHA256 "
+        f"Credential={KEY_ID}/20261203/us-east-1/s3/aws4_request, SignedHeaders=host, "
+        f"Signature={SIGNATURE}', 'amz-sdk-request': b'attempt=1'}}",
+        "'amz-sdk-request': b'attempt=1'",
+    ),
+    "a SigV2 header": (f"Authorization: AWS {KEY_ID}:{SIGNATURE}=\nHost: x", "Host: x"),
+    "a SigV4 query": (
+        f"?X-Amz-Credential={KEY_ID}%2F20261203&X-Amz-Signature={SIGNATURE}&X-Amz-Date=1",
+        "X-Amz-Date=1",
+    ),
+    "userinfo": (f"https://{KEY_ID}:{SECRET}@example.com/data/x.tar", "https://example.com/"),
+    "options": (f"{{'key': '{KEY_ID}', 'secret': '{SECRET}', 'token': '{TOKEN}'}}", "'key'"),
+    "an SSE-C key": ("{'Key': 'd/f1.bin', 'SSECustomerKey': 'c2VjcmV0'}", "'Key': 'd/f1.bin'"),
+}
+
+
+@pytest.mark.parametrize(("text", "kept"), TEXTS.values(), ids=TEXTS.keys())
+def test_scrub_removes_every_credential_and_keeps_the_rest(text: str, kept: str) -> None:
+    from fastload.remote import scrub
+
+    clean = scrub(text)
+    for secret in (KEY_ID, SECRET, TOKEN, SIGNATURE, "c2VjcmV0"):
+        assert secret not in clean, clean
+    assert kept in clean
+    assert scrub(clean) == clean
+
+
+def test_scrub_keeps_what_a_user_needs() -> None:
+    from fastload.remote import scrub
+
+    text = (
+        "fetching s3://bkt/key=2024/f1.bin failed: 503 SlowDown (Please reduce your request "
+        "rate.) after 9 attempts"
+    )
+    assert scrub(text) == text
+
+
+def test_a_backend_error_that_carries_a_signed_url_leaves_only_its_scrubbed_text_in_the_chain() -> (
+    None
+):
+    aiohttp = pytest.importorskip("aiohttp")
+    from multidict import CIMultiDict, CIMultiDictProxy
+    from yarl import URL as YURL
+
+    from fastload.remote import classify, clean_cause
+
+    request = aiohttp.RequestInfo(
+        YURL(SIGNED), "GET", CIMultiDictProxy(CIMultiDict()), YURL(SIGNED)
+    )
+
+    def fetch() -> None:
+        try:
+            raise aiohttp.ClientResponseError(request, (), status=500, message="Internal Error")
+        except aiohttp.ClientResponseError as exc:
+            raise classify(exc, FAULTY_URL) from clean_cause(exc)
+
+    with pytest.raises(RemoteError) as caught:
+        fetch()
+    assert_exception_clean(caught.value)
+    assert "500" in str(caught.value)
+    printed = "".join(traceback.format_exception(caught.value))
+    assert "aiohttp.client_exceptions.ClientResponseError" in printed  # what it was
+    assert f"127.0.0.1:9000/{BUCKET}/{PREFIX}/{FAULTY}" in printed  # and where it went
