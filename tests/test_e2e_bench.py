@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from fastload.bench import e2e_bench, e2e_report
+from fastload.bench import e2e_bench, e2e_peers, e2e_report
 from fastload.bench.e2e_data import DataConfig, folder_key, generate, label_of, zarr_pixels
 
 TINY = DataConfig(samples=24, classes=3, shard_samples=8, zarr_side=32, zarr_chunk_rows=4)
@@ -28,6 +31,7 @@ def tiny(**changes: object) -> e2e_bench.E2EConfig:
         "epoch_budget_s": 60.0,
         "run_timeout_s": 120.0,
         "layouts": ("folder",),
+        "repeats": 1,
         "peers_python": "/nonexistent/.venv-peers/bin/python",
         **changes,
     }
@@ -112,7 +116,11 @@ def test_fastload_and_the_fsspec_peer_end_to_end_with_skipped_peers(tmp_path: Pa
     # fastload fetches every image once (then reads its cache); the peer once per epoch.
     assert folder_bytes <= fast["figures"]["remote_bytes"] < 1.5 * folder_bytes
     assert peer["figures"]["remote_bytes"] >= 2 * folder_bytes
+    # One GET per image and epoch (no HEAD before each), plus a listing or two.
+    assert 2 * TINY.samples <= peer["figures"]["remote_requests"] <= 2 * TINY.samples + 4
     assert fast["resume"]["resume_exact"] is True
+    assert fast["resume"]["resume_check"] == "labels in order"  # its batches carry no ids
+    assert peer["repeats_measured"] == 1
     assert fast["figures"]["resume_s"] > 0
     assert peer["figures"]["resume_s"] is None
     assert "resume n/a" in peer["note"]
@@ -158,3 +166,158 @@ def test_a_failing_system_is_reported_with_its_log_not_raised(tmp_path: Path) ->
 def test_config_refuses_nonsense(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         tiny(**{field: value})
+
+
+def test_the_repeats_of_a_run_give_medians_and_the_json_keeps_each(tmp_path: Path) -> None:
+    def one(repeat: int, warm_s: float, exact: bool) -> e2e_report.Run:
+        epoch = {"samples": 24, "wait_s": 0.1, "first_batch_s": 0.1, "partial": False}
+        epochs = [{**epoch, "seconds": 2.0}, {**epoch, "seconds": warm_s}]
+        result = {"epochs": epochs, "cpu_s": float(repeat + 1), "resume_s": 0.1,
+                  "resume_exact": exact, "resume_check": "sample ids"}  # fmt: skip
+        return e2e_report.Run(e2e_bench.FSSPEC, "folder", result=result, repeat=repeat)
+
+    runs = [one(0, 1.0, True), one(1, 3.0, True), one(2, 2.0, False)]
+    report = e2e_report.build({"batch_size": 8}, "t", None, runs, None)
+    (row,) = report.params["runs"]
+    assert row["figures"]["warm_samples_per_s"] == 12.0  # the median of 24, 8 and 12
+    assert row["figures"]["cpu_s"] == 2.0
+    assert row["figures"]["resume_exact"] is False  # one repeat was not exact: not exact
+    assert row["repeats_measured"] == 3
+    assert [r["figures"]["warm_samples_per_s"] for r in row["repeats"]] == [24.0, 8.0, 12.0]
+    (measured,) = report.rows
+    assert measured.items_per_s == pytest.approx(12.0)
+    assert measured.repeats == [1.0, 3.0, 2.0]
+    assert "the median of 3 runs" in e2e_report.table(report)
+    assert "resume did not deliver exactly" in row["note"]
+    single = e2e_report.build({"batch_size": 8}, "t", None, [one(0, 1.0, True)], None)
+    assert "the median of 1 run " in e2e_report.table(single)
+
+
+def _spec(**changes: object) -> e2e_peers.RunSpec:
+    settings: dict[str, object] = {
+        "system": "fake", "layout": "folder", "url": "s3://b/x", "storage_options": {},
+        "endpoint_url": None, "work_dir": "/nonexistent", "batch_size": 4, "workers": 0,
+        "epochs": 2, "step_s": 0.0, "epoch_budget_s": 60.0, "cold_budget_s": None,
+        "size": 8, "seed": 0, "resume": True, **changes,
+    }  # fmt: skip
+    return e2e_peers.RunSpec(**settings)  # type: ignore[arg-type]
+
+
+class FakeLoader:
+    """Yields sample ids in a seeded order per epoch; resumes from a position, after which
+    it replays (``fault="replay"``), drops (``"drop"``) or repeats one under another id's
+    place (``"swap"``) as a broken loader would."""
+
+    def __init__(self, state: dict[str, int] | None, fault: str, delivers: str) -> None:
+        self.samples, self.extra, self.no_resume = 20, {}, ""
+        self.delivers, self.fault = delivers, fault
+        self.epoch, self.position = (0, 0) if state is None else (state["epoch"], state["at"])
+        self.resumed = state is not None
+
+    def order(self) -> list[int]:
+        return list(np.random.default_rng(self.epoch).permutation(self.samples))
+
+    def batches(self, epoch: int | None) -> Iterator[e2e_peers.Delivered]:
+        if epoch is not None:
+            self.epoch, self.position = epoch, 0
+        order = self.order()
+        if self.resumed and self.fault == "replay":
+            self.position -= 3
+        if self.resumed and self.fault == "drop":
+            self.position += 2
+        if self.resumed and self.fault == "swap":
+            order[-1] = order[self.position]
+        while self.position < len(order):
+            batch = [int(i) for i in order[self.position : self.position + 4]]
+            self.position += len(batch)
+            yield batch if self.delivers != "counts" else len(batch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "at": self.position}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("fault", "delivers", "exact"),
+    [
+        ("", e2e_peers.SAMPLE_IDS, True),
+        ("replay", e2e_peers.SAMPLE_IDS, False),
+        ("drop", e2e_peers.SAMPLE_IDS, False),
+        ("swap", e2e_peers.SAMPLE_IDS, False),  # right count, one sample twice, one never
+        ("swap", "counts", True),  # what a count cannot see
+        ("", e2e_peers.LABELS_IN_ORDER, True),
+        ("swap", e2e_peers.LABELS_IN_ORDER, False),
+    ],
+)
+def test_the_resume_check_compares_what_was_delivered_with_an_uninterrupted_epoch(
+    fault: str, delivers: str, exact: bool
+) -> None:
+    from fastload.bench import e2e_child
+
+    spec = _spec()
+    loader = FakeLoader(None, fault, delivers)
+    epochs = [e2e_child._epoch(loader, e, spec, 0.0, None) for e in range(spec.epochs)]
+    assert epochs[-1]["ids"] is None if delivers == "counts" else sorted(epochs[-1]["ids"])
+
+    def reopen(spec: e2e_peers.RunSpec, state: Any) -> e2e_peers.Loader:
+        return FakeLoader(state, fault, delivers)
+
+    result = e2e_child._resume(reopen, spec, loader, epochs[-1])
+    assert result["resume_exact"] is exact, result
+    if delivers == "counts":
+        assert result["resume_check"].startswith("sample count only")
+    else:
+        assert result["resume_check"] == delivers
+    if fault == "replay" and delivers == e2e_peers.SAMPLE_IDS:
+        assert (result["resume_replayed"], result["resume_dropped"]) == (3, 0)
+    if fault == "drop":
+        assert (result["resume_replayed"], result["resume_dropped"]) == (0, 2)
+
+
+def test_the_fsspec_peer_gets_each_image_in_one_request(tmp_path: Path) -> None:
+    from fsspec.core import url_to_fs
+
+    from fastload.testing import S3FolderServer
+
+    with S3FolderServer(tmp_path / "s3") as server:
+        server.create_bucket("b")
+        for i in range(3):
+            server.put("b", f"f/c/{i}.jpg", bytes([i]) * 5000)
+        for read, heads in ((e2e_peers.get_object, 0), (e2e_peers._open_read, 3)):
+            fs, _ = url_to_fs("s3://b/f", skip_instance_cache=True, **server.storage_options)
+            server.reset_stats()  # a fresh filesystem, as in each DataLoader worker
+            assert [read(fs, f"b/f/c/{i}.jpg") for i in range(3)] == [
+                bytes([i]) * 5000 for i in range(3)
+            ]
+            assert dict(server.stats().by_method) == {
+                "GET": 3,
+                **({"HEAD": heads} if heads else {}),
+            }
+
+
+def test_the_old_fsspec_read_runs_only_when_asked_for() -> None:
+    assert e2e_bench.FSSPEC_OPEN not in e2e_bench._wanted(tiny())
+    assert e2e_bench.FSSPEC in e2e_bench._wanted(tiny())
+    assert e2e_bench._wanted(tiny(systems=(e2e_bench.FSSPEC_OPEN,))) == [e2e_bench.FSSPEC_OPEN]
+
+
+def test_quick_runs_a_conversion_peer_that_is_asked_for_by_name(tmp_path: Path) -> None:
+    quick = e2e_bench.E2EConfig.quick()
+    assert quick.repeats == 1
+    data = generate(tmp_path, TINY)
+    left_out = e2e_bench._skip_reason(quick, e2e_bench.MOSAIC, data, "/x/python", {})
+    assert "left out of --quick" in left_out
+    named = dataclasses.replace(quick, systems=(e2e_bench.MOSAIC,))
+    reason = e2e_bench._skip_reason(named, e2e_bench.MOSAIC, data, "/x/python", {})
+    assert "does not import" in reason  # it is measured where .venv-peers has it
+
+
+def test_bench_url_refuses_a_conversion_peer_by_name(tmp_path: Path) -> None:
+    from fastload.errors import NotYetAvailableError
+
+    config = tiny(systems=(e2e_bench.FASTLOAD, e2e_bench.LITDATA))
+    with pytest.raises(NotYetAvailableError, match="does not run litdata: it reads only after"):
+        e2e_bench.run_url(str(tmp_path / "nothing-read"), tmp_path / "out", config)
+    assert not (tmp_path / "out").exists()

@@ -209,6 +209,7 @@ def _bench(args: argparse.Namespace) -> int:
         "epochs": args.epochs,
         "systems": tuple(args.system) if args.system else None,
         "layouts": tuple(args.layout) if args.layout else None,
+        "repeats": args.repeats,
     }
     if args.bandwidth is not None:
         changes["bandwidth_bytes_per_s"] = args.bandwidth or None  # 0: no cap
@@ -330,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workers", type=int, help="threads or worker processes (default 2)")
     bench.add_argument("--step-ms", type=float, help="simulated training step (default 20)")
     bench.add_argument("--epochs", type=int, help="the first is cold (default 3; --quick 2)")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        help="runs of each system and layout, medians shown (default 3; --quick 1)",
+    )
     bench.add_argument("--system", action="append", help="only this system (repeatable)")
     bench.add_argument(
         "--layout", action="append", choices=["folder", "tar", "zarr"], help="only this layout"

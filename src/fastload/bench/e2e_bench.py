@@ -21,9 +21,15 @@ layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`
 * ``fastload``: ``fl.DataLoader(fl.open_dataset(url, ...), shuffle=True, decode="cpu",
   transform=TrainPreset(size))``; on Zarr, whose rows are pixels, the preset's torch ops
   run in ``collate_fn``.
-* ``torch DataLoader + fsspec``: s3fs in each worker: a GET per file (folder), whole shards
-  streamed through a shuffle buffer (tar, as WebDataset does), zarr-python rows (zarr).
-* ``torch DataLoader + fsspec filecache::``: the same through fsspec's whole-file cache.
+* ``torch DataLoader + fsspec``: s3fs in each worker: one GET per file (folder:
+  ``fs.cat_file``; s3fs with ``max_concurrency=1``, else it HEADs each object first),
+  whole shards streamed through a shuffle buffer (tar, as WebDataset does: one HEAD and
+  one GET per shard), zarr-python rows (zarr).
+* ``torch DataLoader + fsspec (fs.open)``: the folder read as first written,
+  ``fs.open(path).read()``: a worker's fresh s3fs HEADs each object before its GET. Off
+  by default; ``--system`` it by name to show the difference.
+* ``torch DataLoader + fsspec filecache::``: the same through fsspec's whole-file cache
+  (which itself HEADs each object twice before fetching it: its ``ukey`` and ``exists``).
 * ``DALI reader + CPU pipeline``: ``readers.file`` / ``readers.webdataset`` on a local copy
   fetched first with ``fs.get`` (its cold epoch includes that download); no Zarr reader.
 * ``s3torchconnector``: AWS's connector (CRT client): ``S3MapDataset.from_prefix`` in a
@@ -32,16 +38,22 @@ layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`
   parallelism), then the DALI peer's reader and pipeline; its cold epoch includes the copy.
   (:mod:`fastload.bench.e2e_s3_peers` has these two.)
 * ``mosaicml-streaming`` and ``litdata``: after their own conversion of the folder (MDS;
-  ``optimize``, timed as ``prep s``, not part of any epoch), uploaded beside the other
-  layouts, read by their streaming datasets. They need torchvision, so they run with
-  ``.venv-peers``' Python (``make bench-peers``); without it they are skipped, with a note.
+  ``optimize``, timed as ``prep s``, not part of any epoch, in a process of its own),
+  uploaded beside the other layouts, read by their streaming datasets set up as their
+  documentation has it (a fresh local cache per run; see ``e2e_peers`` for the two
+  settings that made them fail or crawl here). They need torchvision, so they run with
+  ``.venv-peers``' Python (``make bench-peers``); without it they are skipped, with a
+  note. ``--quick`` leaves them out unless named with ``--system``.
 
 The torch-based peers decode with simplejpeg and torch ops (``decode_bench.TorchOps``).
 
 Figures per (system, layout), measured by :mod:`fastload.bench.e2e_child`: the cold epoch
 (empty caches, timed from opening the dataset), the warm epochs, time to the first batch,
-resume latency (half an epoch, the state, a fresh loader from it, time to its next batch,
-and whether the rest of the epoch was exactly what was left), the share of the epoch the
+resume latency (half of the last epoch again, the state, a fresh loader from it, time to
+its next batch, and whether what the two delivered is exactly the uninterrupted epoch: the
+same multiset of sample ids where the system's batches carry them, of labels (in order,
+for fastload, whose epochs are a pure function of seed and epoch) where they carry only
+labels, or the same count; the JSON's ``resume_check`` says which), the share of the epoch the
 training loop waited for data (it sleeps ``step_s`` per batch for the training step),
 bytes and requests the server answered, CPU seconds of the process and its workers, its
 peak RSS (``VmHWM``) and the peak PSS of its whole process tree, workers included
@@ -49,9 +61,12 @@ peak RSS (``VmHWM``) and the peak PSS of its whole process tree, workers include
 is then over what it delivered, and the row says so), except the cold epoch of a system
 that caches, which runs to its end so that its warm epochs are warm; ``--quick`` cuts
 those too, at ``cold_epoch_budget_s``, and the row says so.
+Each (system, layout) runs ``repeats`` times (systems taking turns within each repeat); the
+table gives the median of each figure, the JSON every repeat.
 :mod:`fastload.bench.e2e_report` makes the table, the JSON and the chart.
 
-Command (full size: 3,000 images, 3 epochs, 20 ms latency, 100 MB/s per connection)::
+Command (full size: 3,000 images, 3 epochs, 20 ms latency, 100 MB/s per connection,
+medians of 3)::
 
     .venv/bin/python benchmarks/benchmark_e2e.py --out fastload-bench   # = fastload bench
 """
@@ -77,6 +92,7 @@ from fastload.testing import RemoteBehavior, S3FolderServer
 
 FASTLOAD = e2e_report.FASTLOAD
 FSSPEC = "torch DataLoader + fsspec"
+FSSPEC_OPEN = "torch DataLoader + fsspec (fs.open)"  # the old read, for the README, opt-in
 FILECACHE = "torch DataLoader + fsspec filecache::"
 DALI = "DALI reader + CPU pipeline"
 MOSAIC = "mosaicml-streaming"
@@ -88,6 +104,7 @@ LAYOUTS = ("folder", "tar", "zarr")
 PLAN: dict[str, tuple[str, ...]] = {  # the layouts each system reads
     FASTLOAD: LAYOUTS,
     FSSPEC: LAYOUTS,
+    FSSPEC_OPEN: ("folder",),
     FILECACHE: LAYOUTS,
     DALI: ("folder", "tar"),
     MOSAIC: ("mds",),  # its own format, converted from the folder
@@ -100,10 +117,11 @@ NO_ZARR = {
     S3TORCH: "s3torchconnector reads objects; Zarr needs zarr-python's own store",
     S5CMD_DALI: "DALI has no Zarr reader",
 }  # said in the table where Zarr is measured
-NO_CACHE = {FSSPEC}  # every epoch of these fetches everything again
+NO_CACHE = {FSSPEC, FSSPEC_OPEN}  # every epoch of these fetches everything again
+OPT_IN = {FSSPEC_OPEN}  # measured only when asked for by name (--system)
 CONVERSIONS = {MOSAIC: "mds", LITDATA: "litdata"}  # system -> its converted layout
 PEERS_VENV_MODULES = {MOSAIC: "streaming", LITDATA: "litdata"}  # system -> module it needs
-URL_SYSTEMS = (FASTLOAD, FSSPEC, FILECACHE)  # need neither a conversion nor a full copy
+URL_SYSTEMS = (FASTLOAD, FSSPEC, FSSPEC_OPEN, FILECACHE)  # need no conversion, no full copy
 BUCKET = "fastload-bench"
 
 
@@ -122,13 +140,14 @@ class E2EConfig:
     cold_epoch_budget_s: float | None = None  # None: systems that cache finish it
     run_timeout_s: float = 900.0
     resume: bool = True
-    systems: tuple[str, ...] | None = None  # None: every system of PLAN
+    repeats: int = 3  # runs of each (system, layout); the table gives their medians
+    systems: tuple[str, ...] | None = None  # None: every system of PLAN but OPT_IN
     layouts: tuple[str, ...] = LAYOUTS
     conversion_peers: bool = True  # mosaicml-streaming and litdata (they convert first)
     peers_python: str | None = None  # None: $FASTLOAD_PEERS_PYTHON, else ./.venv-peers
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "epochs", "size", "epoch_budget_s", "run_timeout_s"):
+        for name in ("batch_size", "epochs", "size", "epoch_budget_s", "run_timeout_s", "repeats"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.cold_epoch_budget_s is not None and self.cold_epoch_budget_s <= 0:
@@ -146,10 +165,12 @@ class E2EConfig:
     @classmethod
     def quick(cls) -> E2EConfig:
         """Under two minutes on 2 cores: 600 images, folder and tar, a cold and a warm
-        epoch; the conversion peers and Zarr are left to the full run."""
+        epoch, one run each; the conversion peers (unless named in ``systems``) and Zarr are
+        left to the full run."""
         return cls(
             data=DataConfig(samples=600),
             epochs=2,
+            repeats=1,
             epoch_budget_s=4.0,
             cold_epoch_budget_s=10.0,
             run_timeout_s=120.0,
@@ -198,7 +219,7 @@ def _skip_reason(
 ) -> str:
     module = PEERS_VENV_MODULES.get(system)
     if module is not None:
-        if not config.conversion_peers:
+        if not _conversion_on(config, system):
             return "left out of --quick (conversion and start-up); `fastload bench` runs it"
         if peers_python is None:
             return "not installed: `make bench-peers` builds .venv-peers (it needs torchvision)"
@@ -211,6 +232,19 @@ def _skip_reason(
     if system == S3TORCH and not e2e_s3_peers.s3torchconnector_installed():
         return "not installed: pip install s3torchconnector"
     return ""
+
+
+def _wanted(config: E2EConfig) -> list[str]:
+    """The systems to measure: those named in ``systems``, else all but the opt-in ones."""
+    if config.systems is not None:
+        return [s for s in PLAN if s in config.systems]
+    return [s for s in PLAN if s not in OPT_IN]
+
+
+def _conversion_on(config: E2EConfig, system: str) -> bool:
+    """Whether a conversion peer runs: always when named in ``systems`` (even with
+    ``conversion_peers=False``, as ``--quick`` has it)."""
+    return config.conversion_peers or system in (config.systems or ())
 
 
 def _cold_budget(config: E2EConfig, system: str) -> float | None:
@@ -246,13 +280,18 @@ def _spec(config: E2EConfig, system: str, layout: str, url: str, **more: Any) ->
     }
 
 
-def _measure(python: str, spec: dict[str, Any], work: Path, server: S3FolderServer | None,
+def _run_dir(work: Path, config: E2EConfig, system: str, layout: str, repeat: int) -> Path:
+    slug = _slug(system, layout)
+    return work / (slug if config.repeats == 1 else f"{slug}-{repeat + 1}")
+
+
+def _measure(python: str, spec: dict[str, Any], run_dir: Path, server: S3FolderServer | None,
              config: E2EConfig, where: str) -> Run:  # fmt: skip
     print(f"  {spec['system']} on {where} ...", end="", flush=True)
-    one = run_child(
-        python, spec, work / _slug(spec["system"], spec["layout"]), server, config.run_timeout_s
-    )
+    one = run_child(python, spec, run_dir, server, config.run_timeout_s)
     print(f" {one.wall_s or 0:.1f} s, {one.status}", flush=True)
+    if one.status == "ok":  # its caches and downloads; the log stays
+        shutil.rmtree(Path(spec["work_dir"]), ignore_errors=True)
     return one
 
 
@@ -265,10 +304,11 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
     work = out / "work" / "e2e"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    wanted = [s for s in PLAN if config.systems is None or s in config.systems]
+    wanted = _wanted(config)
     peers_python = config.peers_python or default_peers_python()
     peer_versions: dict[str, str | None] = {}
-    if peers_python and config.conversion_peers and set(wanted) & set(PEERS_VENV_MODULES):
+    converting = {s for s in wanted if s in PEERS_VENV_MODULES and _conversion_on(config, s)}
+    if peers_python and converting:
         modules = ["torch", "torchvision", "fsspec", *PEERS_VENV_MODULES.values()]
         peer_versions = probe_python(peers_python, modules, work)
     runs: list[Run] = []
@@ -296,34 +336,41 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
                 latency_s=config.latency_s, bandwidth_bytes_per_s=config.bandwidth_bytes_per_s
             )
         )
-        for system in wanted:
-            for layout in PLAN[system]:
-                if layout in LAYOUTS and layout not in config.layouts:
-                    continue
-                skip = _skip_reason(config, system, data, peers_python, peer_versions)
-                if layout == "zarr" and data.zarr is None:
-                    skip = "no Zarr layout: zarr-python is not installed (pip install zarr)"
-                if skip or (system in CONVERSIONS and system not in prep):
-                    if skip:
-                        runs.append(Run(system, layout, "skipped", skip))
-                    continue
-                python = peers_python if system in PEERS_VENV_MODULES else sys.executable
-                assert python is not None
-                spec = _spec(
-                    config,
-                    system,
-                    layout,
-                    f"s3://{BUCKET}/{layout}",
-                    storage_options=server.storage_options,
-                    endpoint_url=server.endpoint_url,
-                    work_dir=str(work / _slug(system, layout) / "data"),
-                    samples=data.samples,
-                )
-                one = _measure(python, spec, work, server, config, LAYOUT_NAMES[layout])
-                one.prep_s = prep.get(system)
-                runs.append(one)
-            if system in NO_ZARR and "zarr" in config.layouts and data.zarr is not None:
-                runs.append(Run(system, "zarr", "skipped", NO_ZARR[system]))
+        # Systems take turns within each repeat, so drift on a shared machine hits all alike.
+        for repeat in range(config.repeats):
+            if config.repeats > 1:
+                print(f" repeat {repeat + 1} of {config.repeats}", flush=True)
+            for system in wanted:
+                for layout in PLAN[system]:
+                    if layout in LAYOUTS and layout not in config.layouts:
+                        continue
+                    skip = _skip_reason(config, system, data, peers_python, peer_versions)
+                    if layout == "zarr" and data.zarr is None:
+                        skip = "no Zarr layout: zarr-python is not installed (pip install zarr)"
+                    if skip or (system in CONVERSIONS and system not in prep):
+                        if skip and repeat == 0:
+                            runs.append(Run(system, layout, "skipped", skip))
+                        continue
+                    python = peers_python if system in PEERS_VENV_MODULES else sys.executable
+                    assert python is not None
+                    run_dir = _run_dir(work, config, system, layout, repeat)
+                    spec = _spec(
+                        config,
+                        system,
+                        layout,
+                        f"s3://{BUCKET}/{layout}",
+                        storage_options=server.storage_options,
+                        endpoint_url=server.endpoint_url,
+                        work_dir=str(run_dir / "data"),
+                        samples=data.samples,
+                    )
+                    one = _measure(python, spec, run_dir, server, config, LAYOUT_NAMES[layout])
+                    one.prep_s = prep.get(system)
+                    one.repeat = repeat
+                    runs.append(one)
+                no_zarr = "zarr" in config.layouts and data.zarr is not None
+                if system in NO_ZARR and no_zarr and repeat == 0:
+                    runs.append(Run(system, "zarr", "skipped", NO_ZARR[system]))
     title = (
         f"fastload bench: {data.samples:,} JPEGs from S3 at {config.latency_s * 1000:g} ms "
         f"per request, {_workers(config)}, batch {config.batch_size}"
@@ -340,12 +387,22 @@ def run_url(
 ) -> Report:
     """The same measurements, read-only, on a user's dataset: fastload and the peers that
     need neither a conversion nor a full local copy (the fsspec ones). Credentials and
-    endpoints come from ``storage_options`` or wherever fsspec already looks."""
+    endpoints come from ``storage_options`` or wherever fsspec already looks. A conversion
+    peer named in ``config.systems`` is refused (NotYetAvailableError, before anything is
+    read): its figures would be of a local conversion, not of the URL."""
     from fastload.datasets import detect_format
     from fastload.datasets.base import DatasetError
+    from fastload.errors import NotYetAvailableError
     from fastload.manifest import list_dataset
 
     config = config or E2EConfig()
+    asked = sorted(set(config.systems or ()) & set(CONVERSIONS))
+    if asked:
+        raise NotYetAvailableError(
+            f"fastload bench URL does not run {' or '.join(asked)}: it reads only after its "
+            "own conversion of the dataset; run `fastload bench` without a URL to measure it "
+            "on generated data, or leave out --system " + " --system ".join(asked)
+        )
     work = Path(out_dir) / "work" / "e2e-url"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -358,7 +415,11 @@ def run_url(
             "WebDataset tar shards (.jpg, .cls) or Zarr groups with 'images' and 'labels'"
         )
     runs = []
-    for system in [s for s in PLAN if config.systems is None or s in config.systems]:
+    wanted = _wanted(config)
+    for system in wanted:
+        if layout not in PLAN[system] and system in URL_SYSTEMS:
+            runs.append(Run(system, layout, "skipped", f"reads {', '.join(PLAN[system])} only"))
+            continue
         if system not in URL_SYSTEMS:
             needs = {
                 DALI: "needs a full local copy first",
@@ -367,16 +428,23 @@ def run_url(
             }.get(system, "needs its own conversion first")
             runs.append(Run(system, layout, "skipped", f"{needs}; not run on a URL"))
             continue
-        spec = _spec(
-            config,
-            system,
-            layout,
-            url,
-            storage_options=storage_options or {},
-            endpoint_url=None,
-            work_dir=str(work / _slug(system, layout) / "data"),
-            samples=None,
-        )
-        runs.append(_measure(sys.executable, spec, work, None, config, url))
+    for repeat in range(config.repeats):
+        for system in wanted:
+            if system not in URL_SYSTEMS or layout not in PLAN[system]:
+                continue
+            run_dir = _run_dir(work, config, system, layout, repeat)
+            spec = _spec(
+                config,
+                system,
+                layout,
+                url,
+                storage_options=storage_options or {},
+                endpoint_url=None,
+                work_dir=str(run_dir / "data"),
+                samples=None,
+            )
+            one = _measure(sys.executable, spec, run_dir, None, config, url)
+            one.repeat = repeat
+            runs.append(one)
     title = f"fastload bench {url} ({fmt}: {why}), {_workers(config)}"
     return e2e_report.build({**asdict(config), "url": url}, title, None, runs, None)

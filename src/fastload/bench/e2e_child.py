@@ -26,6 +26,7 @@ import resource
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastload.bench.e2e_peers import IMPORTS, SYSTEMS, Loader, Opener, RunSpec
+from fastload.bench.e2e_peers import (
+    IMPORTS,
+    LABELS_IN_ORDER,
+    SAMPLE_IDS,
+    SYSTEMS,
+    Delivered,
+    Loader,
+    Opener,
+    RunSpec,
+)
 
 MARK = "@@fastload-e2e-mark "  # a line the parent snapshots the server's counters on
 
@@ -42,12 +52,28 @@ def mark(name: str) -> None:
     print(MARK + name, flush=True)
 
 
+def delivered(loader: Loader) -> str:
+    """What a loader's batches identify their samples by (``e2e_peers.SAMPLE_IDS`` ...)."""
+    return str(getattr(loader, "delivers", SAMPLE_IDS))
+
+
+def _count(batch: Delivered, ids: list[int] | None) -> int:
+    """A batch's sample count; its identities go onto ``ids`` (None: not kept)."""
+    if isinstance(batch, int):
+        return batch
+    if ids is not None:
+        ids.extend(batch)
+    return len(batch)
+
+
 def _epoch(
     loader: Loader, epoch: int | None, spec: RunSpec, start: float, budget_s: float | None
 ) -> dict[str, Any]:
     """Iterate as training does: wait for a batch, then a simulated step of ``step_s``.
-    An epoch past ``budget_s`` (None: no budget) stops after its current batch."""
+    An epoch past ``budget_s`` (None: no budget) stops after its current batch. ``"ids"``
+    holds what the batches identified their samples by (None where they gave counts)."""
     batches = loader.batches(epoch)
+    ids: list[int] | None = []
     samples = count = 0
     wait_s = 0.0
     first: float | None = None
@@ -56,13 +82,15 @@ def _epoch(
         while True:
             asked = time.perf_counter()
             try:
-                n = next(batches)
+                batch = next(batches)
             except StopIteration:
                 break
             now = time.perf_counter()
             wait_s += now - asked
             first = now - start if first is None else first
-            samples += n
+            if isinstance(batch, int):
+                ids = None
+            samples += _count(batch, ids)
             count += 1
             time.sleep(spec.step_s)
             if budget_s is not None and time.perf_counter() - start > budget_s:
@@ -78,21 +106,30 @@ def _epoch(
         "wait_s": wait_s,
         "first_batch_s": first,
         "partial": partial,
+        "ids": ids,
     }
 
 
-def _resume(open_loader: Opener, spec: RunSpec, loader: Loader) -> dict[str, Any]:
-    """Half an epoch (or what ``epoch_budget_s`` allows), the state, a fresh loader from it;
-    the time to its first batch, and whether the rest of the epoch is exactly what was left
-    (checked where the rest fits the budget too)."""
+def _resume(
+    open_loader: Opener, spec: RunSpec, loader: Loader, reference: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The last measured epoch again: half of it (or what ``epoch_budget_s`` allows), the
+    state, a fresh loader from it; the time to its first batch, and whether what the two
+    delivered together is exactly one uninterrupted epoch (``reference``, that epoch as
+    measured): the same multiset of sample ids, or of labels (in order where the loader's
+    epochs are a pure function of the seed and the epoch number), or, where the batches
+    identify nothing, the same count. Checked where the rest fits the budget too."""
     if loader.no_resume:
         return {"resume_s": None, "resume_note": f"resume n/a: {loader.no_resume}"}
-    batches = loader.batches(spec.epochs)
+    batches = loader.batches(spec.epochs - 1)
+    before: list[int] | None = []
     consumed = 0
     half = math.ceil(loader.samples / spec.batch_size) // 2
     start = time.perf_counter()
     for _ in range(half):
-        consumed += next(batches)
+        batch = next(batches)
+        before = None if isinstance(batch, int) else before
+        consumed += _count(batch, before)
         if time.perf_counter() - start > spec.epoch_budget_s:
             break
     state = json.loads(json.dumps(loader.state_dict(), default=_jsonable))  # as checkpointed
@@ -101,25 +138,64 @@ def _resume(open_loader: Opener, spec: RunSpec, loader: Loader) -> dict[str, Any
     start = time.perf_counter()
     fresh = open_loader(spec, state)
     rest = fresh.batches(None)
-    remaining = next(rest)
+    after: list[int] | None = []
+    batch = next(rest)
     resume_s = time.perf_counter() - start
+    after = None if isinstance(batch, int) else after
+    remaining = _count(batch, after)
     complete = True
-    for n in rest:
-        remaining += n
+    for batch in rest:
+        after = None if isinstance(batch, int) else after
+        remaining += _count(batch, after)
         if time.perf_counter() - start > spec.epoch_budget_s:
             complete = False
             break
     _close(rest)
     fresh.close()
-    return {
+    result: dict[str, Any] = {
         "resume_s": resume_s,
         "resume_consumed": consumed,
         "resume_remaining": remaining,
-        "resume_exact": consumed + remaining == loader.samples if complete else None,
+    }
+    result.update(resume_check(delivered(loader), before, after, reference))
+    if "resume_exact" not in result:  # counts are all there is to compare
+        result["resume_exact"] = consumed + remaining == loader.samples
+    if not complete:
+        result["resume_exact"] = None
+    return result
+
+
+def resume_check(
+    kind: str,
+    before: list[int] | None,
+    after: list[int] | None,
+    reference: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``resume_exact``: whether ``before`` + ``after`` (what a loader delivered up to its
+    saved state, and what a fresh one delivered from it) is exactly the uninterrupted
+    ``reference`` epoch (``kind``: what the lists hold); ``resume_check`` says what was
+    compared, ``resume_replayed`` and ``resume_dropped`` count the differences (samples,
+    or labels). Without identities (or a reference) only ``resume_check`` is set."""
+    ref = None if reference is None or reference.get("partial") else reference.get("ids")
+    if before is None or after is None:
+        return {"resume_check": "sample count only: its batches identify no samples"}
+    if ref is None:
+        return {"resume_check": "sample count only: no uninterrupted epoch to compare with"}
+    delivered_ids = before + after
+    extra = Counter(delivered_ids) - Counter(ref)
+    missing = Counter(ref) - Counter(delivered_ids)
+    exact = not extra and not missing
+    if kind == LABELS_IN_ORDER:
+        exact = delivered_ids == ref
+    return {
+        "resume_check": kind,
+        "resume_exact": exact,
+        "resume_replayed": sum(extra.values()),
+        "resume_dropped": sum(missing.values()),
     }
 
 
-def _close(batches: Iterator[int]) -> None:
+def _close(batches: Iterator[Delivered]) -> None:
     close = getattr(batches, "close", None)  # a generator: stops its loader's iteration
     if close is not None:
         close()
@@ -168,10 +244,14 @@ def measure(spec: RunSpec) -> dict[str, Any]:
         mark(f"epoch {e}")
     result: dict[str, Any] = {"open_s": open_s, "epochs": epochs, "samples": loader.samples}
     if spec.resume:
-        result.update(_resume(open_loader, spec, loader))
+        result.update(_resume(open_loader, spec, loader, dict(epochs[-1])))
         mark("resume")
     else:
         result.update(resume_s=None, resume_note="not measured")
+    result["delivers"] = delivered(loader)
+    for one in epochs:  # the JSON keeps how many distinct identities, not the lists
+        ids = one.pop("ids")
+        one["distinct"] = None if ids is None else len(set(ids))
     loader.close()
     gc.collect()
     end_self, end_kids = _cpu_s()

@@ -1,8 +1,10 @@
 """The systems of the end-to-end benchmark: fastload and the peers users would pick instead.
 
 Each is an :data:`Opener`: ``(spec, saved state or None) -> Loader``, a loader whose
-``batches(epoch)`` yields each batch's sample count. :mod:`fastload.bench.e2e_child` runs
-one of them in a process of its own and measures it.
+``batches(epoch)`` yields, for each batch, what identifies its samples (a list; the
+loader's ``delivers`` says what it holds: sample ids, or labels where the system's batches
+carry nothing else), or only its sample count. :mod:`fastload.bench.e2e_child` runs one of
+them in a process of its own and measures it (the resume check compares those lists).
 
 The peers decode as their users do without torchvision: simplejpeg, then torch ops for
 RandomResizedCrop + flip + normalize (``decode_bench.TorchOps``; the fastest non-fastload
@@ -16,6 +18,7 @@ from __future__ import annotations
 import base64
 import gc
 import glob
+import hashlib
 import importlib
 import json
 import math
@@ -39,7 +42,14 @@ from fastload.decode.params import TrainPreset
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg")
 
-Sample = tuple[torch.Tensor, int]
+IdentifiedSample = tuple[torch.Tensor, int, int]  # image, label, sample id
+Sample = tuple[torch.Tensor, int] | IdentifiedSample  # (image, label), with its id where known
+Delivered = int | list[int]  # what batches() yields per batch: identities, or a count
+
+# What a loader's lists hold (its ``delivers``), strongest first:
+SAMPLE_IDS = "sample ids"  # one id per sample: the resume check compares multisets
+LABELS_IN_ORDER = "labels in order"  # a deterministic epoch: compared in order
+LABELS = "labels"  # only the label multiset (a replay and a drop of one class pass)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,14 +76,15 @@ class RunSpec:
 
 
 class Loader(Protocol):
-    """One system set up to iterate: ``batches(epoch)`` yields each batch's sample count
+    """One system set up to iterate: ``batches(epoch)`` yields, per batch, its samples'
+    identities (a list, of what ``delivers`` says; optional attribute) or their count
     (``epoch=None`` continues where a loaded state left off)."""
 
     samples: int  # per epoch
     extra: dict[str, float]  # figures of the set-up (e.g. download seconds)
     no_resume: str  # why the system cannot resume mid-epoch; "" where it can
 
-    def batches(self, epoch: int | None) -> Iterator[int]: ...
+    def batches(self, epoch: int | None) -> Iterator[Delivered]: ...
 
     def state_dict(self) -> Any: ...
 
@@ -115,6 +126,9 @@ class _FastloadLoader:
         self.samples = len(ds)
         self.extra: dict[str, float] = {}
         self.no_resume = ""
+        # Its batches are (images, labels); an epoch's order is a pure function of (seed,
+        # epoch), so the resume check compares the labels in order.
+        self.delivers = LABELS_IN_ORDER
         self.stats: dict[str, Any] | None = None
         options: dict[str, Any] = {"decode": "cpu", "transform": _preset(spec)}
         if ds.format == "zarr":
@@ -132,11 +146,11 @@ class _FastloadLoader:
         if state is not None:
             self.loader.load_state_dict(state)
 
-    def batches(self, epoch: int | None) -> Iterator[int]:
+    def batches(self, epoch: int | None) -> Iterator[Delivered]:
         if epoch is not None:
             self.loader.set_epoch(epoch)
         for batch in self.loader:
-            yield len(batch[1])
+            yield [int(label) for label in batch[1]]
 
     def state_dict(self) -> Any:
         return self.loader.state_dict()
@@ -199,25 +213,50 @@ def _filesystem(spec: RunSpec, cached: bool) -> Callable[[], Any]:
     return make
 
 
-def _read(fs: Any, path: str) -> bytes:
+def _open_read(fs: Any, path: str) -> bytes:
+    """``fs.open(path).read()``: s3fs's file object HEADs the object for its size (a worker's
+    fresh filesystem has no listing cached), then GETs it: two requests per object."""
     with fs.open(path, "rb") as f:
         data: bytes = f.read()
     return data
 
 
-class FolderFiles(tud.Dataset[Sample]):
-    """ImageFolder over fsspec: one object read per sample, decoded in the worker."""
+def get_object(fs: Any, path: str) -> bytes:
+    """The whole object in one GET, as a careful user reads it: ``fs.cat_file(path)``.
+    s3fs's ``cat_file`` first HEADs an object whose size it has not listed, to split a big
+    one into concurrent ranged GETs (``max_concurrency``); for objects of one image that is
+    a wasted round trip, so s3fs gets ``max_concurrency=1`` (one plain GET)."""
+    protocol = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+    if "s3" in protocol:  # s3fs itself (filecache:: over it says "filecache")
+        data: bytes = fs.cat_file(path, max_concurrency=1)
+    else:
+        data = fs.cat_file(path)
+    return data
 
-    def __init__(self, spec: RunSpec, paths: list[str], labels: list[int], cached: bool) -> None:
+
+class FolderFiles(tud.Dataset[IdentifiedSample]):
+    """ImageFolder over fsspec: one object read per sample (``read(fs, path)``), decoded in
+    the worker; each sample carries its index, so the harness can check what was delivered."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        paths: list[str],
+        labels: list[int],
+        cached: bool,
+        read: Callable[[Any, str], bytes] = get_object,
+    ) -> None:
         self.paths, self.labels = paths, labels
         self.fs = _PerProcess(_filesystem(spec, cached))
         self.ops = TorchOps(_preset(spec), spec.seed)
+        self.read = read
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, i: int) -> Sample:
-        return self.ops(decode_rgb(_read(self.fs.get(), self.paths[i]))), self.labels[i]
+    def __getitem__(self, i: int) -> IdentifiedSample:
+        data = self.read(self.fs.get(), self.paths[i])
+        return self.ops(decode_rgb(data)), self.labels[i], i
 
 
 class TarStream(tud.IterableDataset[Sample]):
@@ -235,12 +274,13 @@ class TarStream(tud.IterableDataset[Sample]):
     def __len__(self) -> int:
         return self.samples
 
-    def _raw(self, shards: list[str]) -> Iterator[tuple[bytes, int]]:
-        """(image bytes, label) of each sample of these shards, in order."""
+    def _raw(self, shards: list[str]) -> Iterator[tuple[bytes, int] | tuple[bytes, int, str]]:
+        """(image bytes, label, key) of each sample of these shards, in order: a streaming
+        open of each whole shard (one HEAD for its size, one GET)."""
         fs = self.fs.get()
         for shard in shards:
             with fs.open(shard, "rb") as f:
-                yield from tar_samples(f)
+                yield from tar_samples(f, keys=True)
 
     def __iter__(self) -> Iterator[Sample]:
         info = tud.get_worker_info()
@@ -248,7 +288,7 @@ class TarStream(tud.IterableDataset[Sample]):
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
         shards = rng.sample(self.shards, len(self.shards))[worker::workers]
         rng = random.Random(rng.random() + worker)
-        buffer: list[tuple[bytes, int]] = []
+        buffer: list[tuple[bytes, int] | tuple[bytes, int, str]] = []
         for item in self._raw(shards):
             buffer.append(item)
             if len(buffer) >= self.buffer:
@@ -257,11 +297,21 @@ class TarStream(tud.IterableDataset[Sample]):
         for item in buffer:
             yield self._sample(item)
 
-    def _sample(self, item: tuple[bytes, int]) -> Sample:
-        return self.ops(decode_rgb(item[0])), item[1]
+    def _sample(self, item: tuple[bytes, int] | tuple[bytes, int, str]) -> Sample:
+        image = self.ops(decode_rgb(item[0]))
+        if len(item) == 3:  # with its key: identified
+            return image, item[1], key_id(item[2])
+        return image, item[1]
 
 
-class ZarrRows(tud.Dataset[Sample]):
+def key_id(key: str) -> int:
+    """A WebDataset key as a sample id: the number it is, else a 62-bit hash of it."""
+    if key.isdigit() and len(key) < 18:
+        return int(key)
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest()) >> 2
+
+
+class ZarrRows(tud.Dataset[IdentifiedSample]):
     """zarr-python over fsspec, a row per sample (the chunk holding it is read each time)."""
 
     def __init__(self, spec: RunSpec, rows: int, cached: bool) -> None:
@@ -288,17 +338,17 @@ class ZarrRows(tud.Dataset[Sample]):
     def __len__(self) -> int:
         return self.rows
 
-    def __getitem__(self, i: int) -> Sample:
+    def __getitem__(self, i: int) -> IdentifiedSample:
         images, labels = self.arrays.get()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return self.ops(np.asarray(images[i])), int(labels[i])
+            return self.ops(np.asarray(images[i])), int(labels[i]), i
 
 
-def tar_samples(stream: Any) -> Iterator[tuple[bytes, int]]:
-    """(image bytes, label) of each sample of one tar shard read as a stream: members
-    grouped by key as WebDataset does (``KEY.jpg`` + ``KEY.cls``; label -1 where a sample
-    has no ``.cls``)."""
+def tar_samples(stream: Any, *, keys: bool = False) -> Iterator[Any]:
+    """(image bytes, label) of each sample of one tar shard read as a stream (with
+    ``keys``: (image bytes, label, key)): members grouped by key as WebDataset does
+    (``KEY.jpg`` + ``KEY.cls``; label -1 where a sample has no ``.cls``)."""
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         key, image, label = None, None, -1
         for member in tar:
@@ -309,14 +359,14 @@ def tar_samples(stream: Any) -> Iterator[tuple[bytes, int]]:
             stem, _, suffix = base.partition(".")
             if stem != key:
                 if image is not None:
-                    yield image, label
+                    yield (image, label, key) if keys else (image, label)
                 key, image, label = stem, None, -1
             if suffix.lower() in ("jpg", "jpeg"):
                 image = data.read()
             elif suffix == "cls":
                 label = int(data.read())
         if image is not None:
-            yield image, label
+            yield (image, label, key) if keys else (image, label)
 
 
 def _zarr_rows(spec: RunSpec) -> int:
@@ -337,6 +387,7 @@ class _TorchLoader:
         self.samples = len(dataset)  # type: ignore[arg-type]
         self.extra: dict[str, float] = {}
         self.no_resume = "torch's DataLoader has no state_dict"
+        self.delivers = SAMPLE_IDS  # where its samples carry an id (a third element)
         self.loader = tud.DataLoader(
             dataset,
             batch_size=spec.batch_size,
@@ -344,13 +395,13 @@ class _TorchLoader:
             num_workers=spec.workers,
         )
 
-    def batches(self, epoch: int | None) -> Iterator[int]:
+    def batches(self, epoch: int | None) -> Iterator[Delivered]:
         if isinstance(self.loader.dataset, TarStream) and epoch is not None:
             self.loader.dataset.epoch = epoch  # the workers fork with it
         iterator = iter(self.loader)
         try:
-            for _, labels in iterator:
-                yield len(labels)
+            for batch in iterator:
+                yield batch[2].tolist() if len(batch) == 3 else len(batch[1])
         finally:
             _stop_workers(iterator)
 
@@ -373,13 +424,17 @@ def _stop_workers(iterator: Any) -> None:
         shutdown()
 
 
-def _torch_peer(cached: bool) -> Opener:
+def _torch_peer(cached: bool, read: Callable[[Any, str], bytes] = get_object) -> Opener:
+    """torch's DataLoader over fsspec (``cached``: through ``filecache::``); folder files
+    read with ``read(fs, path)``."""
+
     def open_loader(spec: RunSpec, state: Any) -> Loader:
         fs, root = _remote(spec)
         if spec.layout == "folder":
             paths = sorted(p for p in fs.find(root) if p.lower().endswith(IMAGE_SUFFIXES))
             labels = _folder_labels(spec, [p[len(root) + 1 :] for p in paths])
-            data: tud.Dataset[Sample] = FolderFiles(spec, paths, labels, cached)
+            data: tud.Dataset[Sample]
+            data = FolderFiles(spec, paths, labels, cached, read)
         elif spec.layout == "tar":
             shards = sorted(p for p in fs.find(root) if p.endswith(".tar"))
             data = TarStream(spec, shards, spec.samples or 0, cached)
@@ -419,6 +474,7 @@ class _DALILoader:
     ) -> None:
         self.extra: dict[str, float] = {}
         self.no_resume = ""
+        self.delivers = LABELS  # its readers give no sample ids; its epochs continue
         local = os.path.join(spec.work_dir, "download")
         if not os.path.isdir(local):  # the cold epoch includes the download
             start = time.perf_counter()
@@ -465,13 +521,14 @@ class _DALILoader:
         self.samples = int(self.pipe.epoch_size("reader"))
         self.batch_size = spec.batch_size
 
-    def batches(self, epoch: int | None) -> Iterator[int]:
+    def batches(self, epoch: int | None) -> Iterator[Delivered]:
         iterations = math.ceil(self.samples / self.batch_size)
         while self.done < iterations:
-            images, _ = self.pipe.run()
+            images, labels = self.pipe.run()
             self.done += 1
-            # The reader pads the last batch with repeats: count the real samples only.
-            yield min(len(images), self.samples - (self.done - 1) * self.batch_size)
+            # The reader pads the last batch with repeats: the real samples only.
+            n = min(len(images), self.samples - (self.done - 1) * self.batch_size)
+            yield [_dali_label(np.asarray(labels[i])) for i in range(n)]
         self.done = 0
 
     def state_dict(self) -> Any:
@@ -485,6 +542,14 @@ class _DALILoader:
         gc.collect()
 
 
+def _dali_label(value: npt.NDArray[Any]) -> int:
+    """A label as DALI's readers give it: readers.file's int32, or a ``.cls`` file's text
+    bytes from readers.webdataset."""
+    if value.dtype == np.uint8:
+        return int(value.tobytes())
+    return int(value.reshape(-1)[0])
+
+
 # --- mosaicml-streaming and litdata (after their conversion step) --------------------------
 
 
@@ -494,13 +559,14 @@ def _peer_loader(loader: Any, samples: int) -> Any:
             self.samples = samples
             self.extra: dict[str, float] = {}
             self.no_resume = ""
+            self.delivers = SAMPLE_IDS  # each sample's global index in the peer's dataset
             self.loader = loader
 
-        def batches(self, epoch: int | None) -> Iterator[int]:
+        def batches(self, epoch: int | None) -> Iterator[Delivered]:
             iterator = iter(self.loader)
             try:
-                for _, labels in iterator:
-                    yield len(labels)
+                for _, _, ids in iterator:
+                    yield ids.tolist()
             finally:
                 shutdown = getattr(iterator, "_shutdown_workers", None)
                 if shutdown is not None:  # torch's own, gentle: these peers share memory
@@ -521,12 +587,15 @@ def _mosaic(spec: RunSpec, state: Any) -> Loader:
     ops = TorchOps(_preset(spec), spec.seed)
 
     class Images(streaming.StreamingDataset):  # type: ignore[misc]
-        def __getitem__(self, i: int) -> Sample:
+        def __getitem__(self, i: int) -> IdentifiedSample:
             row = super().__getitem__(i)
-            return ops(decode_rgb(row["jpg"])), int(row["cls"])
+            return ops(decode_rgb(row["jpg"])), int(row["cls"]), int(i)
 
     # mosaicml-streaming reads S3 through boto3 configured from the environment only.
     os.environ.update(_aws_env(spec))
+    # Its documented set-up: stale shared memory of earlier runs cleared first; a local
+    # cache folder of this run's own (never shared with another dataset or a previous
+    # conversion), the per-device batch size, predownload at its default (8 batches).
     streaming.base.util.clean_stale_shared_memory()
     dataset = Images(
         remote=spec.url,
@@ -534,7 +603,18 @@ def _mosaic(spec: RunSpec, state: Any) -> Loader:
         shuffle=True,
         shuffle_seed=spec.seed,
         batch_size=spec.batch_size,
+        predownload=8 * spec.batch_size,
     )
+    # The dataset fetched index.json here with a boto3 client that the DataLoader's forked
+    # workers would inherit, keep-alive socket and all: two processes then read one socket,
+    # each getting parts of the other's responses. Over a plain-http endpoint nothing
+    # notices, and a shard lands shifted by a few KB ("IndexError: Relative sample index
+    # 62 is not present in the shard.00002.mds file", or a 60 s read timeout first). Each
+    # process must open its own client: dropped here, the workers make theirs.
+    for stream in getattr(dataset, "streams", []):
+        downloader = getattr(stream, "_downloader", None)
+        if downloader is not None:
+            downloader.clean_up()
     loader = streaming.StreamingDataLoader(
         dataset,
         batch_size=spec.batch_size,
@@ -556,16 +636,22 @@ def _litdata(spec: RunSpec, state: Any) -> Loader:
     ops = TorchOps(_preset(spec), spec.seed)
 
     class Images(litdata.StreamingDataset):  # type: ignore[misc]
-        def __getitem__(self, i: Any) -> Sample:
+        def __getitem__(self, i: Any) -> IdentifiedSample:
             row = super().__getitem__(i)
-            return ops(decode_rgb(row["jpg"])), int(row["cls"])
+            return ops(decode_rgb(row["jpg"])), int(row["cls"]), int(getattr(i, "index", i))
 
     env = _aws_env(spec)
+    # batch_decode="all" (documented: deserialize a chunk's items together once it is
+    # local). Its "auto" picks windows of ~16 MB for ~100 KB byte items, and a chunk that
+    # two workers share (one straddling their split of the epoch: most of the 64 MB
+    # chunks when there are few) is not memory-mapped, so each window re-reads the whole
+    # chunk file: ~4 ms of CPU per sample, 147 samples/s at 95% wait on 2 cores.
     dataset = Images(
         input_dir=spec.url,
         cache_dir=_mkdir(os.path.join(spec.work_dir, "cache")),
         shuffle=True,
         seed=spec.seed,
+        batch_decode="all",
         storage_options={
             "endpoint_url": spec.endpoint_url,
             "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
@@ -608,6 +694,7 @@ def _s3_peer(name: str) -> Opener:
 IMPORTS: dict[str, tuple[str, ...]] = {
     "fastload": ("fastload", "fastload.loader", "s3fs"),  # s3fs: as the peers have it
     "torch DataLoader + fsspec": ("fsspec", "s3fs", "zarr"),
+    "torch DataLoader + fsspec (fs.open)": ("fsspec", "s3fs"),
     "torch DataLoader + fsspec filecache::": ("fsspec", "s3fs", "zarr"),
     "DALI reader + CPU pipeline": ("fsspec", "s3fs", "nvidia.dali"),
     "mosaicml-streaming": ("streaming",),
@@ -619,6 +706,8 @@ IMPORTS: dict[str, tuple[str, ...]] = {
 SYSTEMS: dict[str, Opener] = {
     "fastload": _FastloadLoader,
     "torch DataLoader + fsspec": _torch_peer(cached=False),
+    # The folder read as first written: fs.open(path).read(), a HEAD before each GET.
+    "torch DataLoader + fsspec (fs.open)": _torch_peer(cached=False, read=_open_read),
     "torch DataLoader + fsspec filecache::": _torch_peer(cached=True),
     "DALI reader + CPU pipeline": _DALILoader,
     "mosaicml-streaming": _mosaic,

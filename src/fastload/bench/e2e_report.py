@@ -1,9 +1,13 @@
-"""The end-to-end benchmark's report: figures per run, ratios, the table, JSON and a chart."""
+"""The end-to-end benchmark's report: figures per run, ratios, the table, JSON and a chart.
+
+Each (system, layout) may be measured several times (``repeats``); its row gives the median
+of each figure over the repeats that ran, and the JSON keeps every repeat."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -48,6 +52,59 @@ class Run:
     peak_tree_pss_bytes: int | None = None
     prep_s: float | None = None  # conversion (mosaicml-streaming, litdata)
     wall_s: float | None = None
+    repeat: int = 0  # which measurement of this (system, layout), from 0
+
+
+@dataclass
+class Row:
+    """Every repeat of one (system, layout): the table's row gives their medians."""
+
+    system: str
+    layout: str
+    runs: list[Run]
+
+    @property
+    def ok(self) -> list[Run]:
+        return [r for r in self.runs if r.status == "ok"]
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.ok else self.runs[0].status
+
+    @property
+    def first(self) -> Run:
+        """The repeat that stands for the row's details: the first that ran, else the first."""
+        return (self.ok or self.runs)[0]
+
+    def figures(self) -> dict[str, Any]:
+        return median_figures([figures(r) for r in self.ok]) if self.ok else {}
+
+
+def rows(runs: Sequence[Run]) -> list[Row]:
+    """The runs grouped by (system, layout), in the order each first appears."""
+    found: dict[tuple[str, str], Row] = {}
+    for r in runs:
+        found.setdefault((r.system, r.layout), Row(r.system, r.layout, [])).runs.append(r)
+    return list(found.values())
+
+
+def median_figures(each: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One figure per key over repeats: the median of numbers; for flags, whether any
+    repeat was cut (``*_cut``), and whether every checked resume was exact."""
+    out: dict[str, Any] = {}
+    for key in each[0]:
+        values = [f[key] for f in each if f.get(key) is not None]
+        if not values:
+            out[key] = None
+        elif key == "resume_exact":
+            out[key] = all(values)
+        elif isinstance(values[0], bool):
+            out[key] = any(values)
+        elif key == "warm_epochs_cut":
+            out[key] = max(values)
+        else:
+            out[key] = statistics.median(values)
+    return out
 
 
 def figures(run: Run) -> dict[str, Any]:
@@ -87,11 +144,17 @@ def figures(run: Run) -> dict[str, Any]:
     }
 
 
-def _note(run: Run) -> str:
-    if run.status != "ok":
+def _note(row: Row) -> str:
+    run = row.first
+    if row.status != "ok":
         return f"{run.status}: {run.note}"
-    f = figures(run)
+    f = row.figures()
     parts = []
+    failed = [r for r in row.runs if r.status != "ok"]
+    if failed:
+        parts.append(
+            f"{len(failed)} of {len(row.runs)} repeats {failed[0].status}: {failed[0].note}"
+        )
     if f["download_s"] is not None:
         parts.append(f"cold epoch includes the download ({f['download_s']:.1f} s)")
     if run.prep_s is not None:
@@ -100,48 +163,71 @@ def _note(run: Run) -> str:
         parts.append("cold epoch stopped at its time budget")
     if f["warm_epochs_cut"]:
         parts.append(f"{f['warm_epochs_cut']} warm epoch(s) stopped at the time budget")
-    if run.result.get("resume_note"):
-        parts.append(str(run.result["resume_note"]))
+    resume = run.result
+    if resume.get("resume_note"):
+        parts.append(str(resume["resume_note"]))
     elif f["resume_exact"] is False:
-        parts.append("resume did not deliver exactly the rest of the epoch")
+        bad = next(r.result for r in row.ok if r.result.get("resume_exact") is False)
+        parts.append(
+            "resume did not deliver exactly the rest of the epoch"
+            + (
+                f" ({bad['resume_replayed']} replayed, {bad['resume_dropped']} dropped)"
+                if "resume_replayed" in bad
+                else ""
+            )
+        )
+    elif str(resume.get("resume_check", "")).startswith("sample count"):
+        parts.append("resume checked by " + str(resume["resume_check"]))
+    elif resume.get("resume_check") == "labels":
+        parts.append("resume checked by labels (its batches carry no sample ids)")
     return "; ".join(parts)
 
 
-def _measurement(run: Run) -> Measurement:
-    f = figures(run)
-    warm = run.result.get("epochs", [])[1:] or run.result.get("epochs", [])[:1]
+def _measurement(row: Row) -> Measurement:
+    f = row.figures()
+    warm_s, rates = [], []
+    for r in row.ok:
+        warm = r.result.get("epochs", [])[1:] or r.result.get("epochs", [])[:1]
+        seconds = sum(e["seconds"] for e in warm)
+        warm_s.append(seconds)
+        if seconds > 0:
+            rates.append(sum(e["samples"] for e in warm) / seconds)
+    seconds = statistics.median(warm_s) if warm_s else 0.0
     extra = {
-        "cold samples/s": f["cold_samples_per_s"],
-        "first batch s": f["first_batch_s"],
-        "resume s": f["resume_s"],
-        "wait % warm": None if f["wait_fraction_warm"] is None else 100 * f["wait_fraction_warm"],
-        "remote MB": None if f["remote_bytes"] is None else f["remote_bytes"] / 1e6,
-        "CPU s": f["cpu_s"],
-        "peak RSS MB": None if f["peak_rss_bytes"] is None else f["peak_rss_bytes"] / 1e6,
-        "prep s": f["prep_s"],
+        "cold samples/s": f.get("cold_samples_per_s"),
+        "first batch s": f.get("first_batch_s"),
+        "resume s": f.get("resume_s"),
+        "wait % warm": None
+        if f.get("wait_fraction_warm") is None
+        else 100 * f["wait_fraction_warm"],
+        "remote MB": None if f.get("remote_bytes") is None else f["remote_bytes"] / 1e6,
+        "CPU s": f.get("cpu_s"),
+        "peak RSS MB": None if f.get("peak_rss_bytes") is None else f["peak_rss_bytes"] / 1e6,
+        "prep s": f.get("prep_s"),
     }
     return Measurement(
         benchmark="e2e",
-        case=LAYOUT_NAMES.get(run.layout, run.layout),
-        system=run.system,
-        seconds=sum(e["seconds"] for e in warm),
-        repeats=[e["seconds"] for e in warm],
-        items=sum(e["samples"] for e in warm),
-        note=_note(run),
+        case=LAYOUT_NAMES.get(row.layout, row.layout),
+        system=row.system,
+        seconds=seconds,
+        repeats=warm_s,
+        items=round(statistics.median(rates) * seconds) if rates else 0,
+        note=_note(row),
         extra={k: float(v) for k, v in extra.items() if v is not None},
     )
 
 
 def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
-    """fastload's figures over each peer's: on the same layout, and for the conversion
-    peers against fastload on the folder they were converted from."""
-    fast = {r.layout: figures(r) for r in runs if r.system == FASTLOAD and r.status == "ok"}
+    """fastload's figures over each peer's (medians over repeats): on the same layout, and
+    for the conversion peers against fastload on the folder they were converted from."""
+    grouped = rows(runs)
+    fast = {r.layout: r.figures() for r in grouped if r.system == FASTLOAD and r.status == "ok"}
     out = []
-    for r in runs:
+    for r in grouped:
         if r.system == FASTLOAD or r.status != "ok":
             continue
         base_layout = "folder" if r.layout in ("mds", "litdata") else r.layout
-        mine, theirs = fast.get(base_layout), figures(r)
+        mine, theirs = fast.get(base_layout), r.figures()
         if mine is None:
             continue
         entry: dict[str, Any] = {
@@ -207,7 +293,9 @@ def table(report: Report) -> str:
             ]
         )
     widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    n = max((run.get("repeats_measured", 1) for run in report.params["runs"]), default=1)
+    lines = [f"each figure: the median of {n} run{'s' if n != 1 else ''} of its system and layout"]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
     return "\n".join(line.rstrip() for line in lines)
@@ -266,6 +354,7 @@ def build(
         except PackageNotFoundError:
             continue
     machine["peers_environment"] = peers
+    grouped = rows(runs)
     params = {
         **params,
         "title": title,
@@ -281,23 +370,42 @@ def build(
         },
         "runs": [
             {
-                "system": r.system,
-                "layout": r.layout,
-                "status": r.status,
-                "note": _note(r),
-                "figures": figures(r) if r.status == "ok" else {},
-                "epochs": r.result.get("epochs", []),
-                "open_s": r.result.get("open_s"),
-                "resume": {k: v for k, v in r.result.items() if k.startswith("resume")},
-                "marks": r.marks,
-                "loader_stats": r.result.get("loader_stats"),
-                "wall_s": r.wall_s,
+                "system": row.system,
+                "layout": row.layout,
+                "status": row.status,
+                "note": _note(row),
+                "figures": row.figures(),  # medians over the repeats that ran
+                "repeats_measured": len(row.runs),
+                **_details(row.first),  # of the first repeat that ran
+                "repeats": [
+                    {
+                        "repeat": r.repeat,
+                        "status": r.status,
+                        "note": r.note,
+                        "figures": figures(r) if r.status == "ok" else {},
+                        **_details(r),
+                    }
+                    for r in row.runs
+                ],
             }
-            for r in runs
+            for row in grouped
         ],
         "ratios": ratios(runs),
     }
-    return Report(name="e2e", rows=[_measurement(r) for r in runs], machine=machine, params=params)
+    measurements = [_measurement(row) for row in grouped]
+    return Report(name="e2e", rows=measurements, machine=machine, params=params)
+
+
+def _details(r: Run) -> dict[str, Any]:
+    return {
+        "epochs": r.result.get("epochs", []),
+        "open_s": r.result.get("open_s"),
+        "delivers": r.result.get("delivers"),
+        "resume": {k: v for k, v in r.result.items() if k.startswith("resume")},
+        "marks": r.marks,
+        "loader_stats": r.result.get("loader_stats"),
+        "wall_s": r.wall_s,
+    }
 
 
 def write(report: Report, out_dir: str | os.PathLike[str], *, with_chart: bool = True) -> list[str]:
