@@ -40,6 +40,7 @@ import torch.utils.data as tud
 from fastload.bench.decode_bench import TorchOps
 from fastload.bench.e2e_peers import (
     IMAGE_SUFFIXES,
+    IdentifiedSample,
     Loader,
     RunSpec,
     Sample,
@@ -80,9 +81,9 @@ def _listed_keys(objects: Any) -> list[str]:
     return [str(objects[i].key) for i in range(len(objects))]
 
 
-class ConnectorFolder(tud.Dataset[Sample]):
+class ConnectorFolder(tud.Dataset[IdentifiedSample]):
     """ImageFolder through s3torchconnector's map-style dataset: a GET per sample, decoded
-    in the worker."""
+    in the worker; each sample carries its index (the harness checks what was delivered)."""
 
     def __init__(self, spec: RunSpec, objects: Any, keys: list[str]) -> None:
         prefix = spec.url.split("://", 1)[-1].partition("/")[2].strip("/")
@@ -95,10 +96,10 @@ class ConnectorFolder(tud.Dataset[Sample]):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int) -> Sample:
+    def __getitem__(self, i: int) -> IdentifiedSample:
         with self.objects[self.indices[i]] as reader:
             data: bytes = reader.read()
-        return self.ops(decode_rgb(data)), self.labels[i]
+        return self.ops(decode_rgb(data)), self.labels[i], i
 
 
 class ConnectorTar(TarStream):
@@ -110,10 +111,11 @@ class ConnectorTar(TarStream):
         self.objects = objects
         self.index = {k: i for i, k in enumerate(keys)}
 
-    def _raw(self, shards: list[str]) -> Iterator[tuple[bytes, int]]:
+    def _raw(self, shards: list[str]) -> Iterator[tuple[bytes, int] | tuple[bytes, int, str]]:
+        """(image bytes, label, key) of each sample: one GET per shard, streamed."""
         for shard in shards:
             with self.objects[self.index[shard]] as reader:
-                yield from tar_samples(reader)
+                yield from tar_samples(reader, keys=True)
 
 
 def open_s3torchconnector(spec: RunSpec, state: Any) -> Loader:
@@ -122,7 +124,7 @@ def open_s3torchconnector(spec: RunSpec, state: Any) -> Loader:
     objects = _connector_objects(spec)
     keys = _listed_keys(objects)
     if spec.layout == "folder":
-        data: tud.Dataset[Sample] = ConnectorFolder(spec, objects, keys)
+        data: tud.Dataset[Sample | IdentifiedSample] = ConnectorFolder(spec, objects, keys)
     elif spec.layout == "tar":
         data = ConnectorTar(spec, objects, keys)
     else:
