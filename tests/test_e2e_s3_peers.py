@@ -144,6 +144,7 @@ def test_s5cmd_then_dali_end_to_end_with_the_copy_in_the_cold_epoch(tmp_path: Pa
     for run in runs.values():
         assert run["figures"]["download_s"] > 0
         assert "includes the download" in run["note"]
+        assert run["resume"]["resume_exact"] is True  # DALI's checkpoint, on s5cmd's copy
         tar_bytes = sum(p.stat().st_size for p in (tmp_path / "data").rglob("tar/*.tar"))
         if run["layout"] == "tar":  # s5cmd fetched every shard once, then DALI read locally
             assert tar_bytes <= run["figures"]["remote_bytes"] < 1.5 * tar_bytes
