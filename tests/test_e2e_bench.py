@@ -191,6 +191,10 @@ def test_the_repeats_of_a_run_give_medians_and_the_json_keeps_each(tmp_path: Pat
     assert "resume did not deliver exactly" in row["note"]
     single = e2e_report.build({"batch_size": 8}, "t", None, [one(0, 1.0, True)], None)
     assert "the median of 1 run " in e2e_report.table(single)
+    labels = one(0, 1.0, True)
+    labels.result["resume_check"] = e2e_peers.LABELS_IN_ORDER
+    report = e2e_report.build({"batch_size": 8}, "t", None, [labels], None)
+    assert "resume checked by labels in order" in report.params["runs"][0]["note"]
 
 
 def _spec(**changes: object) -> e2e_peers.RunSpec:

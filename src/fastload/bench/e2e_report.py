@@ -178,8 +178,8 @@ def _note(row: Row) -> str:
         )
     elif str(resume.get("resume_check", "")).startswith("sample count"):
         parts.append("resume checked by " + str(resume["resume_check"]))
-    elif resume.get("resume_check") == "labels":
-        parts.append("resume checked by labels (its batches carry no sample ids)")
+    elif resume.get("resume_check") in ("labels", "labels in order"):
+        parts.append(f"resume checked by {resume['resume_check']} (batches carry no sample ids)")
     return "; ".join(parts)
 
 
