@@ -164,7 +164,7 @@ class E2EConfig:
 
     @classmethod
     def quick(cls) -> E2EConfig:
-        """Under two minutes on 2 cores: 600 images, folder and tar, a cold and a warm
+        """About two and a half minutes on 2 cores: 600 images, folder and tar, a cold and a warm
         epoch, one run each; the conversion peers (unless named in ``systems``) and Zarr are
         left to the full run."""
         return cls(
