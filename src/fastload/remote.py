@@ -40,6 +40,7 @@ from fastload.errors import (
 )
 
 T = TypeVar("T")
+E = TypeVar("E", bound=RemoteError)
 _THROTTLE_PATTERN = re.compile(r"SlowDown|Throttl|TooManyRequests|RequestLimitExceeded|\b429\b")
 _TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
 _PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId"}
@@ -301,14 +302,14 @@ def classify(exc: BaseException, url: str, *, attempts: int | None = None) -> Re
 
 
 def _remote_error(
-    cls: type[RemoteError],
+    cls: type[E],
     err: int,
     message: str,
     url: str,
     reason: str,
     status: int | None,
     code: str | None,
-) -> RemoteError:
+) -> E:
     error = cls(err, message, url)
     error.reason, error.status, error.code = reason, status, code
     return error
@@ -478,7 +479,7 @@ def with_retries(fn: Callable[[], T], url: str, *, retries: int = 5, base_s: flo
             time.sleep(backoff_s(attempt, base_s, 5.0))
 
 
-def integrity_error(url: str, what: str) -> RemoteError:
+def integrity_error(url: str, what: str) -> RemoteIntegrityError:
     reason = f"{what} (a truncated or altered body)"
     return _remote_error(
         RemoteIntegrityError, errno.EIO, f"{url}: {reason}", url, reason, None, None

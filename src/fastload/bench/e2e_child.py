@@ -57,13 +57,22 @@ def delivered(loader: Loader) -> str:
     return str(getattr(loader, "delivers", SAMPLE_IDS))
 
 
-def _count(batch: Delivered, ids: list[int] | None) -> int:
-    """A batch's sample count; its identities go onto ``ids`` (None: not kept)."""
-    if isinstance(batch, int):
-        return batch
-    if ids is not None:
-        ids.extend(batch)
-    return len(batch)
+class _Tally:
+    """What a run of batches delivered: ``samples``, and ``ids``, the samples' identities in
+    order (None once a batch gave only its count)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.ids: list[int] | None = []
+
+    def add(self, batch: Delivered) -> None:
+        if isinstance(batch, int):
+            self.samples += batch
+            self.ids = None
+            return
+        self.samples += len(batch)
+        if self.ids is not None:
+            self.ids.extend(batch)
 
 
 def _epoch(
@@ -73,8 +82,8 @@ def _epoch(
     An epoch past ``budget_s`` (None: no budget) stops after its current batch. ``"ids"``
     holds what the batches identified their samples by (None where they gave counts)."""
     batches = loader.batches(epoch)
-    ids: list[int] | None = []
-    samples = count = 0
+    tally = _Tally()
+    count = 0
     wait_s = 0.0
     first: float | None = None
     partial = False
@@ -88,9 +97,7 @@ def _epoch(
             now = time.perf_counter()
             wait_s += now - asked
             first = now - start if first is None else first
-            if isinstance(batch, int):
-                ids = None
-            samples += _count(batch, ids)
+            tally.add(batch)
             count += 1
             time.sleep(spec.step_s)
             if budget_s is not None and time.perf_counter() - start > budget_s:
@@ -101,12 +108,12 @@ def _epoch(
         _close(batches)
     return {
         "seconds": seconds,
-        "samples": samples,
+        "samples": tally.samples,
         "batches": count,
         "wait_s": wait_s,
         "first_batch_s": first,
         "partial": partial,
-        "ids": ids,
+        "ids": tally.ids,
     }
 
 
@@ -122,14 +129,11 @@ def _resume(
     if loader.no_resume:
         return {"resume_s": None, "resume_note": f"resume n/a: {loader.no_resume}"}
     batches = loader.batches(spec.epochs - 1)
-    before: list[int] | None = []
-    consumed = 0
+    before = _Tally()
     half = math.ceil(loader.samples / spec.batch_size) // 2
     start = time.perf_counter()
     for _ in range(half):
-        batch = next(batches)
-        before = None if isinstance(batch, int) else before
-        consumed += _count(batch, before)
+        before.add(next(batches))
         if time.perf_counter() - start > spec.epoch_budget_s:
             break
     state = json.loads(json.dumps(loader.state_dict(), default=_jsonable))  # as checkpointed
@@ -138,15 +142,12 @@ def _resume(
     start = time.perf_counter()
     fresh = open_loader(spec, state)
     rest = fresh.batches(None)
-    after: list[int] | None = []
-    batch = next(rest)
+    after = _Tally()
+    after.add(next(rest))
     resume_s = time.perf_counter() - start
-    after = None if isinstance(batch, int) else after
-    remaining = _count(batch, after)
     complete = True
     for batch in rest:
-        after = None if isinstance(batch, int) else after
-        remaining += _count(batch, after)
+        after.add(batch)
         if time.perf_counter() - start > spec.epoch_budget_s:
             complete = False
             break
@@ -154,12 +155,12 @@ def _resume(
     fresh.close()
     result: dict[str, Any] = {
         "resume_s": resume_s,
-        "resume_consumed": consumed,
-        "resume_remaining": remaining,
+        "resume_consumed": before.samples,
+        "resume_remaining": after.samples,
     }
-    result.update(resume_check(delivered(loader), before, after, reference))
+    result.update(resume_check(delivered(loader), before.ids, after.ids, reference))
     if "resume_exact" not in result:  # counts are all there is to compare
-        result["resume_exact"] = consumed + remaining == loader.samples
+        result["resume_exact"] = before.samples + after.samples == loader.samples
     if not complete:
         result["resume_exact"] = None
     return result

@@ -42,8 +42,8 @@ from fastload.decode.params import TrainPreset
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg")
 
-IdentifiedSample = tuple[torch.Tensor, int, int]  # image, label, sample id
-Sample = tuple[torch.Tensor, int] | IdentifiedSample  # (image, label), with its id where known
+Sample = tuple[torch.Tensor, int, int]  # image, label, sample id
+RawSample = tuple[bytes, int, str]  # a tar sample: image bytes, label, WebDataset key
 Delivered = int | list[int]  # what batches() yields per batch: identities, or a count
 
 # What a loader's lists hold (its ``delivers``), strongest first:
@@ -234,7 +234,7 @@ def get_object(fs: Any, path: str) -> bytes:
     return data
 
 
-class FolderFiles(tud.Dataset[IdentifiedSample]):
+class FolderFiles(tud.Dataset[Sample]):
     """ImageFolder over fsspec: one object read per sample (``read(fs, path)``), decoded in
     the worker; each sample carries its index, so the harness can check what was delivered."""
 
@@ -254,7 +254,7 @@ class FolderFiles(tud.Dataset[IdentifiedSample]):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, i: int) -> IdentifiedSample:
+    def __getitem__(self, i: int) -> Sample:
         data = self.read(self.fs.get(), self.paths[i])
         return self.ops(decode_rgb(data)), self.labels[i], i
 
@@ -274,13 +274,13 @@ class TarStream(tud.IterableDataset[Sample]):
     def __len__(self) -> int:
         return self.samples
 
-    def _raw(self, shards: list[str]) -> Iterator[tuple[bytes, int] | tuple[bytes, int, str]]:
+    def _raw(self, shards: list[str]) -> Iterator[RawSample]:
         """(image bytes, label, key) of each sample of these shards, in order: a streaming
         open of each whole shard (one HEAD for its size, one GET)."""
         fs = self.fs.get()
         for shard in shards:
             with fs.open(shard, "rb") as f:
-                yield from tar_samples(f, keys=True)
+                yield from tar_samples(f)
 
     def __iter__(self) -> Iterator[Sample]:
         info = tud.get_worker_info()
@@ -288,7 +288,7 @@ class TarStream(tud.IterableDataset[Sample]):
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
         shards = rng.sample(self.shards, len(self.shards))[worker::workers]
         rng = random.Random(rng.random() + worker)
-        buffer: list[tuple[bytes, int] | tuple[bytes, int, str]] = []
+        buffer: list[RawSample] = []
         for item in self._raw(shards):
             buffer.append(item)
             if len(buffer) >= self.buffer:
@@ -297,11 +297,8 @@ class TarStream(tud.IterableDataset[Sample]):
         for item in buffer:
             yield self._sample(item)
 
-    def _sample(self, item: tuple[bytes, int] | tuple[bytes, int, str]) -> Sample:
-        image = self.ops(decode_rgb(item[0]))
-        if len(item) == 3:  # with its key: identified
-            return image, item[1], key_id(item[2])
-        return image, item[1]
+    def _sample(self, item: RawSample) -> Sample:
+        return self.ops(decode_rgb(item[0])), item[1], key_id(item[2])
 
 
 def key_id(key: str) -> int:
@@ -311,7 +308,7 @@ def key_id(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest()) >> 2
 
 
-class ZarrRows(tud.Dataset[IdentifiedSample]):
+class ZarrRows(tud.Dataset[Sample]):
     """zarr-python over fsspec, a row per sample (the chunk holding it is read each time)."""
 
     def __init__(self, spec: RunSpec, rows: int, cached: bool) -> None:
@@ -338,17 +335,17 @@ class ZarrRows(tud.Dataset[IdentifiedSample]):
     def __len__(self) -> int:
         return self.rows
 
-    def __getitem__(self, i: int) -> IdentifiedSample:
+    def __getitem__(self, i: int) -> Sample:
         images, labels = self.arrays.get()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self.ops(np.asarray(images[i])), int(labels[i]), i
 
 
-def tar_samples(stream: Any, *, keys: bool = False) -> Iterator[Any]:
-    """(image bytes, label) of each sample of one tar shard read as a stream (with
-    ``keys``: (image bytes, label, key)): members grouped by key as WebDataset does
-    (``KEY.jpg`` + ``KEY.cls``; label -1 where a sample has no ``.cls``)."""
+def tar_samples(stream: Any) -> Iterator[RawSample]:
+    """(image bytes, label, key) of each sample of one tar shard read as a stream: members
+    grouped by key as WebDataset does (``KEY.jpg`` + ``KEY.cls``; label -1 where a sample
+    has no ``.cls``)."""
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         key, image, label = None, None, -1
         for member in tar:
@@ -358,15 +355,15 @@ def tar_samples(stream: Any, *, keys: bool = False) -> Iterator[Any]:
             base = member.name.rsplit("/", 1)[-1]
             stem, _, suffix = base.partition(".")
             if stem != key:
-                if image is not None:
-                    yield (image, label, key) if keys else (image, label)
+                if image is not None and key is not None:
+                    yield image, label, key
                 key, image, label = stem, None, -1
             if suffix.lower() in ("jpg", "jpeg"):
                 image = data.read()
             elif suffix == "cls":
                 label = int(data.read())
-        if image is not None:
-            yield (image, label, key) if keys else (image, label)
+        if image is not None and key is not None:
+            yield image, label, key
 
 
 def _zarr_rows(spec: RunSpec) -> int:
@@ -387,7 +384,7 @@ class _TorchLoader:
         self.samples = len(dataset)  # type: ignore[arg-type]
         self.extra: dict[str, float] = {}
         self.no_resume = "torch's DataLoader has no state_dict"
-        self.delivers = SAMPLE_IDS  # where its samples carry an id (a third element)
+        self.delivers = SAMPLE_IDS  # its datasets give each sample its id (third element)
         self.loader = tud.DataLoader(
             dataset,
             batch_size=spec.batch_size,
@@ -401,7 +398,7 @@ class _TorchLoader:
         iterator = iter(self.loader)
         try:
             for batch in iterator:
-                yield batch[2].tolist() if len(batch) == 3 else len(batch[1])
+                yield batch[2].tolist()  # every peer dataset's samples carry their id
         finally:
             _stop_workers(iterator)
 
@@ -587,7 +584,7 @@ def _mosaic(spec: RunSpec, state: Any) -> Loader:
     ops = TorchOps(_preset(spec), spec.seed)
 
     class Images(streaming.StreamingDataset):  # type: ignore[misc]
-        def __getitem__(self, i: int) -> IdentifiedSample:
+        def __getitem__(self, i: int) -> Sample:
             row = super().__getitem__(i)
             return ops(decode_rgb(row["jpg"])), int(row["cls"]), int(i)
 
@@ -636,7 +633,7 @@ def _litdata(spec: RunSpec, state: Any) -> Loader:
     ops = TorchOps(_preset(spec), spec.seed)
 
     class Images(litdata.StreamingDataset):  # type: ignore[misc]
-        def __getitem__(self, i: Any) -> IdentifiedSample:
+        def __getitem__(self, i: Any) -> Sample:
             row = super().__getitem__(i)
             return ops(decode_rgb(row["jpg"])), int(row["cls"]), int(getattr(i, "index", i))
 

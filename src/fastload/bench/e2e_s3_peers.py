@@ -40,8 +40,8 @@ import torch.utils.data as tud
 from fastload.bench.decode_bench import TorchOps
 from fastload.bench.e2e_peers import (
     IMAGE_SUFFIXES,
-    IdentifiedSample,
     Loader,
+    RawSample,
     RunSpec,
     Sample,
     TarStream,
@@ -81,7 +81,7 @@ def _listed_keys(objects: Any) -> list[str]:
     return [str(objects[i].key) for i in range(len(objects))]
 
 
-class ConnectorFolder(tud.Dataset[IdentifiedSample]):
+class ConnectorFolder(tud.Dataset[Sample]):
     """ImageFolder through s3torchconnector's map-style dataset: a GET per sample, decoded
     in the worker; each sample carries its index (the harness checks what was delivered)."""
 
@@ -96,7 +96,7 @@ class ConnectorFolder(tud.Dataset[IdentifiedSample]):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int) -> IdentifiedSample:
+    def __getitem__(self, i: int) -> Sample:
         with self.objects[self.indices[i]] as reader:
             data: bytes = reader.read()
         return self.ops(decode_rgb(data)), self.labels[i], i
@@ -111,11 +111,11 @@ class ConnectorTar(TarStream):
         self.objects = objects
         self.index = {k: i for i, k in enumerate(keys)}
 
-    def _raw(self, shards: list[str]) -> Iterator[tuple[bytes, int] | tuple[bytes, int, str]]:
+    def _raw(self, shards: list[str]) -> Iterator[RawSample]:
         """(image bytes, label, key) of each sample: one GET per shard, streamed."""
         for shard in shards:
             with self.objects[self.index[shard]] as reader:
-                yield from tar_samples(reader, keys=True)
+                yield from tar_samples(reader)
 
 
 def open_s3torchconnector(spec: RunSpec, state: Any) -> Loader:
@@ -124,7 +124,7 @@ def open_s3torchconnector(spec: RunSpec, state: Any) -> Loader:
     objects = _connector_objects(spec)
     keys = _listed_keys(objects)
     if spec.layout == "folder":
-        data: tud.Dataset[Sample | IdentifiedSample] = ConnectorFolder(spec, objects, keys)
+        data: tud.Dataset[Sample] = ConnectorFolder(spec, objects, keys)
     elif spec.layout == "tar":
         data = ConnectorTar(spec, objects, keys)
     else:
