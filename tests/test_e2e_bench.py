@@ -325,3 +325,20 @@ def test_bench_url_refuses_a_conversion_peer_by_name(tmp_path: Path) -> None:
     with pytest.raises(NotYetAvailableError, match="does not run litdata: it reads only after"):
         e2e_bench.run_url(str(tmp_path / "nothing-read"), tmp_path / "out", config)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_runs_spec_with_credentials_does_not_outlive_its_child(tmp_path: Path) -> None:
+    """`fastload bench URL` hands the user's storage_options to each child in its spec file;
+    nothing left in the output folder afterwards may hold them (here the child fails at once:
+    the spec lacks fields, as a crash would leave it)."""
+    import sys
+
+    from fastload.bench.e2e_process import run_child
+
+    secret = "s3cr3t-FASTLOAD-bench-spec"
+    spec = {"system": "fastload", "layout": "folder", "storage_options": {"secret": secret}}
+    run = run_child(sys.executable, spec, tmp_path / "run", None, 60.0)
+    assert run.status == "failed"
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert [p.name for p in files] == ["log.txt"]
+    assert all(secret not in p.read_text() for p in files)

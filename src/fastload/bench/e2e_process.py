@@ -83,7 +83,11 @@ def run_child(
     run = Run(system=spec["system"], layout=spec["layout"])
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    (run_dir / "spec.json").write_text(json.dumps(spec))
+    # The spec holds the run's storage_options (a user's credentials with `bench URL`): only
+    # its owner may read it while the child runs, and it is gone once the child has ended.
+    spec_path = run_dir / "spec.json"
+    spec_path.touch(mode=0o600)
+    spec_path.write_text(json.dumps(spec))
     result_path = run_dir / "result.json"
     cmd = [python, "-m", "fastload.bench.e2e_child", "run", "spec.json", "result.json"]
     if server is not None:
@@ -129,6 +133,7 @@ def run_child(
         reader.join(10)
         if proc.stdout is not None:
             proc.stdout.close()
+    spec_path.unlink(missing_ok=True)
     run.wall_s = time.perf_counter() - start
     run.peak_tree_pss_bytes = peak[0] or None
     if server is not None:
