@@ -1,16 +1,16 @@
 """No credential, signature or session token in anything fastload shows.
 
-A presigned GET's URL carries the access key id, the signature and the session token;
-botocore signs with the secret and sends the token in a header. Whatever goes wrong
+obstore and botocore sign with the secret and send the access key id and the session
+token in headers (a presigned URL, should one be made, carries all of them). Whatever goes wrong
 (403, 404, a 503 that outlasts the retries, a timeout, a reset connection), none of them
 may appear in the raised exception (its text, notes, and the chain a traceback prints),
 the warm report and its JSON, the ``fastload`` script's stderr and ``--json`` stdout, a
 loader's ``stats()``, or the DEBUG logs of fastload, aiohttp, botocore and s3fs. What a user
 needs is there instead: the public URL, the status, the S3 error code and the attempts.
 
-Every test runs once per transport (the ``transport`` fixture): presigned GETs and the
-s3fs fallback. Another transport (obstore, ``hf://`` with its token) joins by adding one
-entry to ``TRANSPORTS``.
+Every test runs once per transport (the ``transport`` fixture): obstore and the s3fs
+fallback. Another transport (``hf://`` with its token) joins by adding one entry to
+``TRANSPORTS``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 import fastload as fl
-from fastload import presigned
+from fastload import transport as transports
 from fastload.errors import RemoteAccessError, RemoteError, RemoteNotFoundError
 from fastload.remote import open_filesystem
 from fastload.stage import FetchConfig
@@ -57,16 +57,16 @@ FETCH_TIMEOUT_S = 0.2  # for the timeout fault: the server answers after 30 s
 class TransportSettings:
     storage_options: dict[str, Any]  # beside the credentials and the endpoint
     fsspec_config: dict[str, Any]  # the same for the fastload script (FSSPEC_S3)
-    presigned: bool  # whether GETs go through presigned URLs
+    obstore: bool  # whether GETs go through obstore
 
 
 TRANSPORTS = {
-    "presigned": TransportSettings({}, {}, presigned=True),
-    # A setting no presigned URL carries sends every GET through s3fs.
+    "obstore": TransportSettings({}, {}, obstore=True),
+    # A setting obstore does not carry sends every GET through s3fs.
     "s3fs": TransportSettings(
         {"s3_additional_kwargs": {"ChecksumMode": "ENABLED"}},
         {"s3_additional_kwargs": {"ChecksumMode": "ENABLED"}},
-        presigned=False,
+        obstore=False,
     ),
 }
 
@@ -116,7 +116,7 @@ def transport(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Transp
         if settings.fsspec_config:
             env["FSSPEC_S3"] = json.dumps(settings.fsspec_config)
         fs, _ = open_filesystem(URL, options)
-        assert presigned._eligible(fs) == settings.presigned, "the fixture's premise"
+        assert transports._eligible(fs) == settings.obstore, "the fixture's premise"
         yield Transport(request.param, server, options, env, tmp_path / "cache")
 
 
@@ -314,8 +314,8 @@ def test_the_fastload_script_shows_no_secret(transport: Transport, fault: str) -
         [
             sys.executable,
             "-c",
-            "from fastload import presigned, remote;"
-            f"print(presigned._eligible(remote.open_filesystem({URL!r})[0]))",
+            "from fastload import transport, remote;"
+            f"print(transport._eligible(remote.open_filesystem({URL!r})[0]))",
         ],
         capture_output=True,
         text=True,
@@ -323,7 +323,7 @@ def test_the_fastload_script_shows_no_secret(transport: Transport, fault: str) -
         check=True,
         env=transport.env,
     )
-    assert eligible.stdout.strip() == str(TRANSPORTS[transport.name].presigned), "the premise"
+    assert eligible.stdout.strip() == str(TRANSPORTS[transport.name].obstore), "the premise"
     case.inject(transport.server)
     out = run_fastload(["warm", URL, "--json"], transport.env)
     assert out.returncode == 1, out.stderr

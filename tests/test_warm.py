@@ -229,24 +229,19 @@ def test_permanent_failures_fail_fast_naming_the_url(
 
 
 def test_throttling_halves_concurrency_and_it_recovers() -> None:
-    import asyncio
-
     from fastload.stage import _Throttle
 
-    async def scenario() -> list[int]:
-        t = _Throttle(FetchConfig(jobs=16, min_jobs=2))
-        seen = [t.limit]
-        await t.throttled()
-        seen.append(t.limit)
-        t._last_cut = 0.0
-        await t.throttled()
-        seen.append(t.limit)
-        for _ in range(200):
-            await t.succeeded()
-        seen.append(t.limit)
-        return seen
-
-    assert asyncio.run(scenario()) == [16, 8, 4, 16]
+    t = _Throttle(FetchConfig(jobs=16, min_jobs=2))
+    seen = [t.limit]
+    t.throttled()
+    seen.append(t.limit)
+    t._last_cut = 0.0
+    t.throttled()
+    seen.append(t.limit)
+    for _ in range(200):
+        t.succeeded()
+    seen.append(t.limit)
+    assert seen == [16, 8, 4, 16]
 
 
 # --- budget ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import bisect
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import sqlite3
@@ -68,6 +69,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "fastload"
 
 
+@functools.lru_cache(maxsize=8192)  # staging asks for the same ids 4-5 times per object
 def object_id(url: str) -> str:
     return hashlib.sha256(url.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
@@ -318,6 +320,7 @@ class Cache:
                 "$FASTLOAD_CACHE_DIR",
             ) from exc
         self.fetch_locks = FetchLocks.for_path(self.dir / "fetch.lock")
+        self._objects_dir = str(self.dir / "objects")
         self._lock = threading.RLock()  # serializes this process's writes
         self._db: sqlite3.Connection | None = None
         self._db_pid = -1
@@ -435,8 +438,10 @@ class Cache:
     # --- paths -------------------------------------------------------------------------------
 
     def path_for(self, url: str) -> Path:
-        oid = object_id(url)
-        return self.dir / "objects" / oid[:2] / oid
+        return Path(self._object_path(object_id(url)))
+
+    def _object_path(self, oid: str) -> str:
+        return f"{self._objects_dir}/{oid[:2]}/{oid}"  # not pathlib: this is per object
 
     def _sweep_tmp(self) -> None:
         """Removes parts left by dead fetchers: those whose fetch lock is free."""
@@ -578,6 +583,22 @@ class Cache:
         if item.error is not None:
             raise item.error
         return item.path
+
+    def publish_many(self, parts: Sequence[tuple[PartFile, str | None]]) -> list[Path | None]:
+        """:meth:`publish` for a batch of (part, version) in one index transaction; the
+        paths in order (None where the policy turned a part away). A failure is raised
+        after the others are published."""
+        items = []
+        for part, version in parts:
+            part.close(fsync=self.config.fsync)
+            items.append(_Publication(part, version))
+        if items:
+            with self._lock:
+                self._publish_batch(items)
+        for item in items:
+            if item.error is not None:
+                raise item.error
+        return [item.path for item in items]
 
     def _publish_batch(self, batch: list[_Publication]) -> None:
         try:

@@ -20,9 +20,9 @@ from typing import Any
 
 import fsspec
 
-from fastload import presigned
 from fastload.errors import RemoteError
 from fastload.remote import is_http, key_of, open_filesystem, public_url, remote_url, with_retries
+from fastload.transport import transport_for
 
 _VERSION_FIELDS = (
     "VersionId",
@@ -142,10 +142,7 @@ def list_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Man
 
     def listing() -> dict[str, dict[str, Any]]:
         found: dict[str, dict[str, Any]] | None = None
-        if is_http(fs):
-            found = _crawl_pages(fs, root)
-        elif getattr(fs, "async_impl", False):
-            found = fsspec.asyn.sync(fs.loop, presigned.find, fs, root)
+        found = _crawl_pages(fs, root) if is_http(fs) else transport_for(fs).find(root)
         if found is None:
             found = fs.find(root, detail=True, withdirs=False)
         if not found and fs.isfile(root):
@@ -165,6 +162,7 @@ def list_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Man
                 version=_version(info),
             )
             for name, info in found.items()
+            if not str(info.get("name", name)).endswith("/")  # a folder marker, no object
         ),
         key=lambda o: o.key,
     )

@@ -1,30 +1,35 @@
 """The stage stage: fetch the objects a plan needs into the cache, concurrently and patiently.
 
-One coroutine per object does: cache hit? → take the object's fetch lock (or wait while
-another process fetches it) → fetch with retries, exponential backoff and jitter → verify
-the size → publish. Async fsspec backends (s3, gcs, http, ...) run it on fsspec's event
-loop; others run the same coroutine with the blocking calls on threads. Concurrency adapts
-to the remote: it halves when the remote throttles and grows back by one per window of
-successes (AIMD, as TCP does).
+One staging thread per request in flight does, object after object: cache hit? → take the
+object's fetch lock (or wait while another process fetches it) → GET through the
+transport (``fastload.transport``; obstore's GETs release the GIL) with retries,
+exponential backoff and jitter → verify the size → write and publish. Threads rather than
+an event loop: a GET through obstore costs ~0.3 ms of CPU from a thread and ~0.45 ms as an
+awaited future, and no hand-off between a loop and a writer thread is needed. Concurrency
+adapts to the remote: it halves when the remote throttles and grows back by one per window
+of successes (AIMD, as TCP does); the throttle, the threads and the transport's connections
+live for the process, across staging calls.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import collections
 import hashlib
+import os
+import queue
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import fsspec
-import fsspec.asyn
 
-from fastload.cache import Cache, FetchLock
-from fastload.errors import CacheError, FastloadError, RemoteError
+from fastload.cache import Cache, FetchLock, PartFile
+from fastload.errors import FastloadError, RemoteError
 from fastload.manifest import Manifest, RemoteObject
-from fastload.presigned import NotHandled, PresignedGets
 from fastload.remote import (
     backoff_s,
     classify,
@@ -34,7 +39,9 @@ from fastload.remote import (
     is_transient,
     path_of,
     scrub,
+    with_retries,
 )
+from fastload.transport import Buffer, Transport, transport_for
 
 Outcome = Literal["cached", "fetched", "skipped", "failed"]
 
@@ -51,6 +58,9 @@ class FetchConfig:
     timeout_s: float = 60.0  # per request
     range_threshold_bytes: int = 64 << 20  # objects larger than this are fetched in ranges
     range_bytes: int = 16 << 20
+    # "auto": obstore where it can send the same requests (s3:// with the s3 extra), the
+    # fsspec filesystem elsewhere; "fsspec": always the filesystem (see fastload.transport).
+    transport: Literal["auto", "fsspec"] = "auto"
 
     def __post_init__(self) -> None:
         if self.jobs < 1 or not 1 <= self.min_jobs <= self.jobs:
@@ -59,6 +69,8 @@ class FetchConfig:
             raise ValueError("retries and backoff_s must be >= 0 and timeout_s > 0")
         if self.range_bytes <= 0 or self.range_threshold_bytes <= 0:
             raise ValueError("range_bytes and range_threshold_bytes must be > 0")
+        if self.transport not in ("auto", "fsspec"):
+            raise ValueError(f'transport must be "auto" or "fsspec", got {self.transport!r}')
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +99,8 @@ class _Progress:
 
 
 class _Throttle:
-    """AIMD concurrency: halve on throttling, +1 after a window of successes."""
+    """AIMD concurrency: halve on throttling, +1 after a window of successes. One per remote
+    and process, kept across staging calls, so a round starts where the last one ended."""
 
     def __init__(self, config: FetchConfig) -> None:
         self.limit = config.jobs
@@ -96,33 +109,58 @@ class _Throttle:
         self.active = 0
         self._wins = 0
         self._last_cut = 0.0
-        self._changed = asyncio.Condition()
+        self._changed = threading.Condition()
 
-    async def __aenter__(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.active < self.limit)
+    def __enter__(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.active < self.limit)
             self.active += 1
 
-    async def __aexit__(self, *exc: object) -> None:
-        async with self._changed:
+    def __exit__(self, *exc: object) -> None:
+        with self._changed:
             self.active -= 1
-            self._changed.notify_all()
+            self._changed.notify()
 
-    async def throttled(self) -> None:
-        async with self._changed:
+    def throttled(self) -> None:
+        with self._changed:
             now = time.monotonic()
             if now - self._last_cut > 0.1:  # one cut per burst of refusals
                 self.limit = max(self.min, self.limit // 2)
                 self._last_cut = now
             self._wins = 0
 
-    async def succeeded(self) -> None:
-        async with self._changed:
+    def succeeded(self) -> None:
+        with self._changed:
             self._wins += 1
             if self._wins >= self.limit and self.limit < self.max:
                 self.limit += 1
                 self._wins = 0
                 self._changed.notify_all()
+
+
+_throttles: dict[tuple[int, int, int], _Throttle] = {}
+_pools: dict[int, ThreadPoolExecutor] = {}
+_shared_lock = threading.Lock()
+_POOL_THREADS = 512  # made on demand; a staging call runs config.jobs of them
+
+
+def _throttle_for(transport: Transport, config: FetchConfig) -> _Throttle:
+    key = (id(transport), config.jobs, config.min_jobs)
+    with _shared_lock:
+        if key not in _throttles:
+            _throttles[key] = _Throttle(config)
+        return _throttles[key]
+
+
+def _pool() -> ThreadPoolExecutor:
+    """This process's GET threads (a forked child makes its own)."""
+    with _shared_lock:
+        pool = _pools.get(os.getpid())
+        if pool is None:
+            pool = _pools[os.getpid()] = ThreadPoolExecutor(
+                _POOL_THREADS, thread_name_prefix="fastload-stage"
+            )
+        return pool
 
 
 @dataclass
@@ -134,6 +172,12 @@ class Stager:
     fs: fsspec.AbstractFileSystem
     root: str
     config: FetchConfig = field(default_factory=FetchConfig)
+
+    @property
+    def transport(self) -> Transport:
+        return transport_for(
+            self.fs, self.config.timeout_s, fsspec_only=self.config.transport == "fsspec"
+        )
 
     def remote_path(self, obj: RemoteObject) -> str:
         return path_of(self.fs, self.root, obj.key)
@@ -155,119 +199,49 @@ class Stager:
         A permanent failure (not found, access refused, full disk) stops everything and is
         raised; transient failures that outlast their retries are reported per object.
         """
-        tracker = _Progress(callback=progress)
-        if getattr(self.fs, "async_impl", False):
-            return fsspec.asyn.sync(self.fs.loop, self._stage_all, objects, tracker)  # type: ignore[no-any-return]
-        return asyncio.run(self._stage_all(objects, tracker))
+        if not objects:
+            return []
+        return _Round(self, objects, _Progress(callback=progress)).run()
 
-    async def _stage_all(
-        self, objects: Sequence[RemoteObject], tracker: _Progress
-    ) -> list[StageResult]:
-        throttle = _Throttle(self.config)
-        results: list[StageResult | None] = [None] * len(objects)
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(len(objects)):
-            queue.put_nowait(i)
-        fatal: list[BaseException] = []
+    def _get_with_retries(
+        self, obj: RemoteObject, url: str, transport: Transport, throttle: _Throttle
+    ) -> tuple[Buffer | str, int]:
+        """(the bytes, attempts), or (why it failed, attempts) once transient failures
+        outlast the retries; raises a permanent failure."""
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                with throttle:
+                    data = self._fetch(obj, url, transport)
+                throttle.succeeded()
+                return data, attempts
+            except RemoteError as exc:
+                if not is_transient(exc):
+                    raise
+                if is_throttling(exc):
+                    throttle.throttled()
+                if attempts > self.config.retries:
+                    # The reason without the URL (the report lists it apart), e.g.
+                    # "503 SlowDown (Please reduce your request rate.) after 9 attempts"
+                    reason = exc.reason or scrub(exc.strerror or str(exc))
+                    return f"{reason} after {attempts} attempts", attempts
+                c = self.config
+                time.sleep(backoff_s(attempts, c.backoff_s, c.backoff_max_s))
 
-        async def worker() -> None:
-            while not fatal:
-                try:
-                    i = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                try:
-                    result = await self._stage_one(objects[i], throttle, presigned)
-                except (RemoteError, CacheError) as exc:
-                    if isinstance(exc, RemoteError) and is_transient(exc):
-                        raise  # _stage_one reports those; anything else is a bug
-                    fatal.append(exc)
-                    return
-                results[i] = result
-                tracker.add(result)
-
-        presigned = await PresignedGets.open(self.fs, self.config.jobs)
-        workers = [
-            asyncio.ensure_future(worker()) for _ in range(min(self.config.jobs, len(objects)))
-        ]
-        try:
-            await asyncio.gather(*workers)
-        finally:
-            for w in workers:
-                w.cancel()
-            if presigned is not None:
-                await presigned.close()
-        if fatal:
-            raise fatal[0]
-        return [r for r in results if r is not None]
-
-    async def _stage_one(
-        self, obj: RemoteObject, throttle: _Throttle, presigned: PresignedGets | None
-    ) -> StageResult:
-        url = self.manifest.object_url(obj)
-        cache = self.cache
-        if cache.lookup(url, version=obj.version, size=obj.size) is not None:
-            return StageResult(url, "cached", obj.size or cache.path_for(url).stat().st_size)
-        lock = await self._fetch_lock(url)
-        try:
-            # Whoever held the lock before us may have fetched it meanwhile.
-            if cache.lookup(url, version=obj.version, size=obj.size) is not None:
-                return StageResult(url, "cached", obj.size or cache.path_for(url).stat().st_size)
-            if obj.size is not None and not cache.would_admit(url, obj.size):
-                return StageResult(url, "skipped", 0, error="over the cache budget")
-            attempts = 0
-            while True:
-                attempts += 1
-                try:
-                    async with throttle:
-                        data = await self._fetch(obj, url, presigned)
-                    await throttle.succeeded()
-                    break
-                except RemoteError as exc:
-                    if not is_transient(exc):
-                        raise
-                    if is_throttling(exc):
-                        await throttle.throttled()
-                    if attempts > self.config.retries:
-                        # The reason without the URL (the report lists it apart), e.g.
-                        # "503 SlowDown (Please reduce your request rate.) after 9 attempts"
-                        reason = exc.reason or scrub(exc.strerror or str(exc))
-                        error = f"{reason} after {attempts} attempts"
-                        return StageResult(url, "failed", 0, attempts, error)
-                    c = self.config
-                    await asyncio.sleep(backoff_s(attempts, c.backoff_s, c.backoff_max_s))
-            published = await asyncio.to_thread(self._write_and_publish, url, obj, data)
-            outcome: Outcome = "fetched" if published else "skipped"
-            return StageResult(url, outcome, len(data), attempts)
-        finally:
-            lock.release()
-
-    async def _fetch_lock(self, url: str) -> FetchLock:
-        """The object's fetch lock; while another process holds it, wait without blocking."""
-        deadline = time.monotonic() + self.cache.config.lock_timeout_s
-        delay = 0.002
-        while (lock := self.cache.try_fetch_lock(url)) is None:
-            if time.monotonic() > deadline:
-                raise self.cache.lock_timeout(url)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        return lock
-
-    async def _fetch(self, obj: RemoteObject, url: str, presigned: PresignedGets | None) -> bytes:
+    def _fetch(self, obj: RemoteObject, url: str, transport: Transport) -> Buffer:
         path = self.remote_path(obj)
         size = obj.size
         try:
             if size is not None and size > self.config.range_threshold_bytes:
                 step = self.config.range_bytes
-                parts = await asyncio.gather(
-                    *(
-                        self._cat(path, start, min(start + step, size), presigned)
-                        for start in range(0, size, step)
-                    )
+                parts = _range_pool().map(
+                    lambda start: transport.get(path, start, min(start + step, size)),
+                    range(0, size, step),
                 )
-                data = b"".join(parts)
+                data: Buffer = b"".join(parts)
             else:
-                data = await self._cat(path, None, None, presigned)
+                data = transport.get(path)
         except FastloadError:
             raise
         except Exception as exc:
@@ -279,36 +253,28 @@ class Stager:
             raise integrity_error(url, "MD5 does not match the one the remote advertised")
         return data
 
-    async def _cat(
-        self, path: str, start: int | None, end: int | None, presigned: PresignedGets | None
-    ) -> bytes:
-        if presigned is not None and not presigned.declined:
-            try:
-                return await self._within_timeout(path, presigned.get(path, start, end))
-            except NotHandled:
-                pass  # s3fs's to answer: it follows regions and redirects
-        fs: Any = self.fs
-        if getattr(fs, "async_impl", False):
-            call = fs._cat_file(path, start=start, end=end)
-        else:
-            call = asyncio.to_thread(fs.cat_file, path, start=start, end=end)
-        return await self._within_timeout(path, call)
+    def read_remote(self, obj: RemoteObject, start: int | None, end: int | None) -> bytes:
+        """Bytes [start, end) of obj straight from the remote (what the cache turned away),
+        retried like a staged fetch."""
+        transport = self.transport
+        path = self.remote_path(obj)
+        data = with_retries(lambda: transport.get(path, start, end), self.manifest.object_url(obj))
+        return bytes(data)
 
-    async def _within_timeout(self, path: str, call: Awaitable[bytes]) -> bytes:
-        try:
-            return await asyncio.wait_for(call, self.config.timeout_s)
-        except TimeoutError:
-            # _fetch makes it a RemoteError naming the object's URL
-            raise TimeoutError(f"no complete answer within {self.config.timeout_s:g}s") from None
 
-    def _write_and_publish(self, url: str, obj: RemoteObject, data: bytes) -> bool:
-        part = self.cache.new_part(url)
-        try:
-            part.write(data)
-        except BaseException:
-            part.discard()
-            raise
-        return self.cache.publish(part, version=obj.version) is not None
+_range_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _range_pool() -> ThreadPoolExecutor:
+    """Threads for the ranges of large objects (apart from the staging threads, which wait
+    on them)."""
+    with _shared_lock:
+        pool = _range_pools.get(os.getpid())
+        if pool is None:
+            pool = _range_pools[os.getpid()] = ThreadPoolExecutor(
+                32, thread_name_prefix="fastload-range"
+            )
+        return pool
 
 
 def _md5_from_version(version: str | None) -> bytes | None:
@@ -323,3 +289,167 @@ def _md5_from_version(version: str | None) -> bytes | None:
             except ValueError:
                 return None
     return None
+
+
+@dataclass(slots=True)
+class _Fetched:
+    index: int
+    data: Buffer | str | BaseException  # the bytes, why they could not be had, or a fatal error
+    attempts: int = 0
+
+
+class _Round:
+    """One staging call, as a pipeline: this thread looks objects up, takes their fetch
+    locks and hands them to the GET threads, which hold the GIL only between requests; the
+    bytes come back here to be written and published, a batch per index transaction. Only
+    this thread runs per-object Python beyond the GET, so the GET threads do not queue
+    for the GIL behind it (64 threads each doing all the work spent 0.5 ms per object in
+    futex calls)."""
+
+    def __init__(self, stager: Stager, objects: Sequence[RemoteObject], tracker: _Progress) -> None:
+        self.stager = stager
+        self.cache = stager.cache
+        self.objects = objects
+        self.urls = [stager.manifest.object_url(o) for o in objects]
+        self.tracker = tracker
+        self.results: list[StageResult | None] = [None] * len(objects)
+        self.locks: dict[int, FetchLock] = {}
+        self.todo: collections.deque[int] = collections.deque(range(len(objects)))
+        self.waiting: dict[int, float] = {}  # locked by another process: index -> deadline
+        self.work: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.done: queue.SimpleQueue[_Fetched] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.in_flight = 0
+
+    def run(self) -> list[StageResult]:
+        stager = self.stager
+        transport = stager.transport
+        throttle = _throttle_for(transport, stager.config)
+        getters = min(stager.config.jobs, len(self.objects))
+        for _ in range(getters):
+            _pool().submit(self._getter, transport, throttle)
+        ahead = 2 * stager.config.jobs  # objects locked and queued or in flight at most
+        delay = 0.002
+        try:
+            while self.todo or self.waiting or self.in_flight:
+                while self.todo and self.in_flight < ahead:
+                    self._dispatch(self.todo.popleft())
+                if self.in_flight:
+                    try:
+                        first = self.done.get(timeout=0.05 if self.waiting else None)
+                    except queue.Empty:
+                        pass
+                    else:
+                        self._finish(self._drain(first))
+                elif self.waiting:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+                if self.waiting:
+                    self._retry_waiting()
+        finally:
+            self.stop.set()
+            for _ in range(getters):
+                self.work.put(None)
+            for lock in self.locks.values():
+                lock.release()
+        return [r for r in self.results if r is not None]
+
+    def _record(self, i: int, result: StageResult) -> None:
+        self.results[i] = result
+        self.tracker.add(result)
+
+    def _cached(self, i: int) -> bool:
+        obj, url, cache = self.objects[i], self.urls[i], self.cache
+        if cache.lookup(url, version=obj.version, size=obj.size) is None:
+            return False
+        self._record(i, StageResult(url, "cached", obj.size or cache.path_for(url).stat().st_size))
+        return True
+
+    def _dispatch(self, i: int) -> None:
+        """Looks i up; if it must be fetched and its lock is free, queues it for a GET."""
+        if self._cached(i):
+            return
+        lock = self.cache.try_fetch_lock(self.urls[i])
+        if lock is None:
+            self.waiting.setdefault(i, time.monotonic() + self.cache.config.lock_timeout_s)
+            return
+        self.locks[i] = lock
+        obj = self.objects[i]
+        # Whoever held the lock before us may have fetched it meanwhile.
+        if self._cached(i):
+            self._release(i)
+        elif obj.size is not None and not self.cache.would_admit(self.urls[i], obj.size):
+            self._release(i)
+            self._record(i, StageResult(self.urls[i], "skipped", 0, error="over the cache budget"))
+        else:
+            self.in_flight += 1
+            self.work.put(i)
+
+    def _retry_waiting(self) -> None:
+        now = time.monotonic()
+        for i, deadline in list(self.waiting.items()):
+            if now > deadline:
+                raise self.cache.lock_timeout(self.urls[i])
+            lock = self.cache.try_fetch_lock(self.urls[i])
+            if lock is not None:
+                lock.release()  # free now: the other process is done; take it in priority order
+                del self.waiting[i]
+                self.todo.appendleft(i)
+
+    def _release(self, i: int) -> None:
+        lock = self.locks.pop(i, None)
+        if lock is not None:
+            lock.release()
+
+    def _drain(self, first: _Fetched) -> list[_Fetched]:
+        batch = [first]
+        while True:
+            try:
+                batch.append(self.done.get_nowait())
+            except queue.Empty:
+                return batch
+
+    def _finish(self, batch: list[_Fetched]) -> None:
+        """Writes a batch of answers into the cache and publishes them in one transaction."""
+        self.in_flight -= len(batch)
+        for item in batch:
+            if isinstance(item.data, BaseException):
+                raise item.data
+        parts: list[tuple[int, PartFile, str | None]] = []
+        failure: BaseException | None = None
+        for item in batch:
+            i, url = item.index, self.urls[item.index]
+            if isinstance(item.data, str):
+                self._record(i, StageResult(url, "failed", 0, item.attempts, item.data))
+                continue
+            assert not isinstance(item.data, BaseException)  # raised above
+            try:
+                part = self.cache.new_part(url)
+                part.write(item.data)  # discards itself on failure
+            except BaseException as exc:  # a full disk: publish what was written, then raise
+                failure = exc
+                break
+            parts.append((i, part, self.objects[i].version))
+        published = self.cache.publish_many([(part, version) for _, part, version in parts])
+        attempts = {item.index: item.attempts for item in batch}
+        for (i, part, _), path in zip(parts, published, strict=True):
+            outcome: Outcome = "fetched" if path is not None else "skipped"
+            self._record(i, StageResult(self.urls[i], outcome, part.size, attempts[i]))
+        for item in batch:
+            self._release(item.index)
+        if failure is not None:
+            raise failure
+
+    def _getter(self, transport: Transport, throttle: _Throttle) -> None:
+        """A GET thread: takes indices until told to stop."""
+        stager = self.stager
+        while (i := self.work.get()) is not None:
+            if self.stop.is_set():
+                continue
+            try:
+                data, attempts = stager._get_with_retries(
+                    self.objects[i], self.urls[i], transport, throttle
+                )
+                self.done.put(_Fetched(i, data, attempts))
+            except BaseException as exc:  # permanent: the round raises it
+                self.done.put(_Fetched(i, exc))

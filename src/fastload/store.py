@@ -15,13 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fsspec
-import fsspec.asyn
-
 from fastload.cache import Cache, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
-from fastload.remote import open_filesystem, public_url, with_retries
+from fastload.remote import open_filesystem, public_url
 from fastload.stage import FetchConfig, Stager, StageResult
 
 
@@ -145,15 +142,8 @@ class CachedStore:
         return [self.read(k, o, n) for k, o, n in requests]
 
     def _read_remote(self, obj: RemoteObject, offset: int, length: int | None) -> bytes:
-        stager = self.stager
-        path = stager.remote_path(obj)
         end = None if length is None else offset + length
-        fs: fsspec.AbstractFileSystem = stager.fs
-        data: bytes = with_retries(
-            lambda: fs.cat_file(path, start=offset or None, end=end),
-            self.manifest.object_url(obj),
-        )
-        return data
+        return self.stager.read_remote(obj, offset or None, end)
 
     def close(self) -> None:
         if self._cache is not None and self._pid == os.getpid():

@@ -1,11 +1,13 @@
-"""``python -m fastload.testing ROOT``: a loopback HTTP server in a process of its own."""
+"""``python -m fastload.testing ROOT [--s3]``: a loopback HTTP (or S3) server in a process
+of its own."""
 
 from __future__ import annotations
 
 import threading
 
 from fastload.testing.faults import RemoteBehavior
-from fastload.testing.http_server import RangeHTTPServer
+from fastload.testing.http_server import LoopbackServer, RangeHTTPServer
+from fastload.testing.s3_folder import S3FolderServer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,13 +23,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("root")
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--bandwidth-bytes-per-s", type=float, default=None)
+    parser.add_argument("--s3", action="store_true", help="speak S3 (each subfolder a bucket)")
     args = parser.parse_args(argv)
     behavior = RemoteBehavior(
         latency_s=args.latency_s, bandwidth_bytes_per_s=args.bandwidth_bytes_per_s
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with RangeHTTPServer(args.root, behavior=behavior) as server:
+    server_class: type[LoopbackServer] = S3FolderServer if args.s3 else RangeHTTPServer
+    with server_class(args.root, behavior=behavior) as server:
         print(server.url, flush=True)
 
         def stop_when_stdin_closes() -> None:

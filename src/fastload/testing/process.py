@@ -15,10 +15,12 @@ import sys
 import urllib.request
 from pathlib import Path
 from types import MappingProxyType, TracebackType
+from typing import Any
 from urllib.parse import quote
 
 from fastload.testing.faults import RequestStats
 from fastload.testing.http_server import RESET_PATH, STATS_PATH
+from fastload.testing.s3_server import storage_options_for
 
 _START_TIMEOUT_S = 30.0
 
@@ -32,8 +34,13 @@ class HTTPServerProcess:
         *,
         latency_s: float = 0.0,
         bandwidth_bytes_per_s: float | None = None,
+        s3: bool = False,
     ) -> None:
+        """With ``s3``, an :class:`~fastload.testing.S3FolderServer` (each subfolder of
+        root a bucket; ``storage_options`` reach it)."""
         cmd = [sys.executable, "-m", "fastload.testing", str(Path(root).resolve())]
+        if s3:
+            cmd.append("--s3")
         cmd += ["--latency-s", str(latency_s)]
         if bandwidth_bytes_per_s is not None:
             cmd += ["--bandwidth-bytes-per-s", str(bandwidth_bytes_per_s)]
@@ -47,6 +54,14 @@ class HTTPServerProcess:
             self.close()
             raise RuntimeError(f"the test HTTP server did not start within {_START_TIMEOUT_S}s")
         self.url = line
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """s3fs keyword arguments that reach an ``s3=True`` server."""
+        return storage_options_for(self.url)
+
+    def pid(self) -> int:
+        return self._proc.pid
 
     def url_for(self, relpath: str = "") -> str:
         rel = relpath.lstrip("/")
