@@ -174,7 +174,9 @@ def test_settings_obstore_cannot_carry_leave_the_gets_to_s3fs_one_request_each(
     assert served_by_obstore == []
     stats = s3.server.stats()  # type: ignore[union-attr]
     assert stats.count(method="HEAD") == 0
-    assert stats.count(method="GET") == len(s3.files)
+    # One GET per object, but botocore may resend a GET once on a pooled connection the
+    # server had closed (seen once in CI: 8 resends, one per connection of QUICK's pool).
+    assert len(s3.files) <= stats.count(method="GET") <= len(s3.files) + QUICK.jobs
 
 
 # --- listings --------------------------------------------------------------------------------

@@ -326,8 +326,10 @@ class _Round:
         transport = stager.transport
         throttle = _throttle_for(transport, stager.config)
         getters = min(stager.config.jobs, len(self.objects))
-        for _ in range(getters):
-            _pool().submit(self._getter, transport, throttle)
+        for _ in range(getters):  # daemons: a process that exits mid-round must not wait
+            threading.Thread(
+                target=self._getter, args=(transport, throttle), daemon=True, name="fastload-get"
+            ).start()
         ahead = 2 * stager.config.jobs  # objects locked and queued or in flight at most
         delay = 0.002
         try:
