@@ -15,8 +15,13 @@ def test_every_system_stages_every_object_and_reports_its_cpu(tmp_path: Path) ->
     assert bench.FASTLOAD in rows
     assert bench.FASTLOAD_S3FS in rows
     assert rows[bench.FASTLOAD].ratio == 1.0
-    assert rows[bench.FASTLOAD_GIL].items == 10
-    assert rows[bench.FASTLOAD].items == 60
+    # Each fastload system stages its first object untimed (it starts the staging process).
+    assert rows[bench.FASTLOAD].items == 59
+    assert rows[bench.FASTLOAD_HERE].items == 59
+    assert rows[bench.FASTLOAD_LISTING].items == 60
+    assert rows[bench.FASTLOAD_GIL_HERE].items == 9
     for row in rows.values():
         assert row.extra["client CPU ms/obj"] > 0
-    assert 0 <= rows[bench.FASTLOAD_GIL].extra["busy thread lost"] <= 1
+    for name in (bench.FASTLOAD_GIL, bench.FASTLOAD_GIL_HERE):
+        # A share of a rate, noisy at this size (below 0 when the machine got quieter).
+        assert rows[name].extra["busy thread lost"] <= 1

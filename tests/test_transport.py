@@ -20,7 +20,10 @@ from fastload.stage import FetchConfig
 from fastload.store import CachedStore
 from fastload.testing import S3FolderServer
 
-QUICK = FetchConfig(jobs=8, retries=4, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)
+# In this process: these tests watch the transport from here.
+QUICK = FetchConfig(
+    jobs=8, retries=4, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10, staging_process=False
+)
 
 
 @pytest.fixture
@@ -93,7 +96,9 @@ def test_large_objects_come_in_ranges_that_join_to_the_object(
         s3.url,
         cache_dir=str(tmp_path / "cache"),
         storage_options=s3.storage_options,
-        fetch=FetchConfig(range_threshold_bytes=size // 3, range_bytes=size // 3 - 1),
+        fetch=FetchConfig(
+            range_threshold_bytes=size // 3, range_bytes=size // 3 - 1, staging_process=False
+        ),
     )
     store.stage([big])
     assert store.read(big) == s3.files[big]
@@ -148,7 +153,7 @@ def test_a_response_it_does_not_handle_leaves_this_and_later_objects_to_s3fs(
         s3.url,
         cache_dir=str(tmp_path / "cache"),
         storage_options=s3.storage_options,
-        fetch=FetchConfig(jobs=1, min_jobs=1),
+        fetch=FetchConfig(jobs=1, min_jobs=1, staging_process=False),
     )
     results = store.stage([first, *rest])
     assert {r.outcome for r in results} == {"fetched"}

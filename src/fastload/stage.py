@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import hashlib
 import os
 import queue
@@ -61,6 +62,9 @@ class FetchConfig:
     # "auto": obstore where it can send the same requests (s3:// with the s3 extra), the
     # fsspec filesystem elsewhere; "fsspec": always the filesystem (see fastload.transport).
     transport: Literal["auto", "fsspec"] = "auto"
+    # Stage remote objects in a process of its own (fastload.stage_process), so staging
+    # never waits for, nor takes, the GIL of a training step.
+    staging_process: bool = True
 
     def __post_init__(self) -> None:
         if self.jobs < 1 or not 1 <= self.min_jobs <= self.jobs:
@@ -71,6 +75,9 @@ class FetchConfig:
             raise ValueError("range_bytes and range_threshold_bytes must be > 0")
         if self.transport not in ("auto", "fsspec"):
             raise ValueError(f'transport must be "auto" or "fsspec", got {self.transport!r}')
+
+    def in_process(self) -> FetchConfig:
+        return dataclasses.replace(self, staging_process=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +145,19 @@ class _Throttle:
                 self._changed.notify_all()
 
 
+# A forked child (a DataLoader worker) stages in its own threads, not in a staging process.
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 _throttles: dict[tuple[int, int, int], _Throttle] = {}
-_pools: dict[int, ThreadPoolExecutor] = {}
 _shared_lock = threading.Lock()
-_POOL_THREADS = 512  # made on demand; a staging call runs config.jobs of them
 
 
 def _throttle_for(transport: Transport, config: FetchConfig) -> _Throttle:
@@ -150,17 +166,6 @@ def _throttle_for(transport: Transport, config: FetchConfig) -> _Throttle:
         if key not in _throttles:
             _throttles[key] = _Throttle(config)
         return _throttles[key]
-
-
-def _pool() -> ThreadPoolExecutor:
-    """This process's GET threads (a forked child makes its own)."""
-    with _shared_lock:
-        pool = _pools.get(os.getpid())
-        if pool is None:
-            pool = _pools[os.getpid()] = ThreadPoolExecutor(
-                _POOL_THREADS, thread_name_prefix="fastload-stage"
-            )
-        return pool
 
 
 @dataclass
@@ -193,15 +198,57 @@ class Stager:
         objects: Sequence[RemoteObject],
         *,
         progress: Callable[[_Progress], None] | None = None,
+        here: bool = False,
     ) -> list[StageResult]:
         """Fetches whatever of objects is not cached yet, in the given order of priority.
 
         A permanent failure (not found, access refused, full disk) stops everything and is
         raised; transient failures that outlast their retries are reported per object.
+        ``here`` stages in this process even where a staging process would: for an object
+        a reader is waiting for, which must not queue behind a round of staging ahead.
         """
         if not objects:
             return []
-        return _Round(self, objects, _Progress(callback=progress)).run()
+        tracker = _Progress(callback=progress)
+        if not here and self._elsewhere():
+            return self._stage_in_staging_process(objects, tracker)
+        return _Round(self, objects, tracker).run()
+
+    def _elsewhere(self) -> bool:
+        """Whether to stage in a staging process: for remote objects, from a process that
+        was not forked (a DataLoader worker stages in its own threads), and not for the
+        ``plan`` policy's cache, whose eviction needs the access order this process holds."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return (
+            self.config.staging_process
+            and protocol not in ("file", "local")
+            and self.cache.plan is None
+            and not _forked
+        )
+
+    def _stage_in_staging_process(
+        self, objects: Sequence[RemoteObject], tracker: _Progress
+    ) -> list[StageResult]:
+        from fastload import stage_process
+
+        process = stage_process.for_stager(self.fs, self.root, self.cache.config, self.config)
+
+        def progress(objects_done: int, bytes_done: int, fetched_bytes: int) -> None:
+            tracker.objects_done, tracker.bytes_done = objects_done, bytes_done
+            tracker.fetched_bytes = fetched_bytes
+            if tracker.callback is not None:
+                tracker.callback(tracker)
+
+        answers = process.stage(
+            objects, self.manifest.url, progress if tracker.callback is not None else None
+        )
+        results = [StageResult(*answer) for answer in answers]  # type: ignore[arg-type]
+        if tracker.callback is not None:  # the exact totals (progress comes at most 10/s)
+            tracker.objects_done = len(results)
+            tracker.bytes_done = sum(r.nbytes for r in results)
+            tracker.fetched_bytes = sum(r.nbytes for r in results if r.outcome == "fetched")
+            tracker.callback(tracker)
+        return results
 
     def _get_with_retries(
         self, obj: RemoteObject, url: str, transport: Transport, throttle: _Throttle

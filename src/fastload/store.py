@@ -131,7 +131,7 @@ class CachedStore:
             with self.cache.use(url, version=obj.version) as path:
                 if path is not None:
                     return _pread(path, offset, length)
-            (result,) = self.stager.stage([obj])
+            (result,) = self.stager.stage([obj], here=True)  # the reader waits for it
             if result.outcome == "failed":
                 raise self.stager.failure(obj, result)
             if result.outcome == "skipped":

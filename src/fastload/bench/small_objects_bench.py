@@ -7,19 +7,22 @@ Each system runs in a fresh process and starts from an empty destination. CPU is
 over the client's whole process tree (``/proc`` of the process and every descendant, read
 just before and after the timed part), the server's from its process; both per object.
 
-Systems:
+Systems (each fastload one stages its first object untimed: that starts its staging
+process, which a training job does once):
 
-* ``fastload warm`` (obstore transport), with the listing already in the cache: the
-  reference. ``fastload warm, lists first`` adds listing the bucket.
-* ``fastload warm, s3fs transport``: the same with ``FetchConfig(transport="fsspec")``,
-  every GET through s3fs/aiobotocore (what fastload falls back to where obstore cannot go).
+* ``fastload warm``: the default, staging in a staging process (``fastload.stage_process``)
+  through obstore, with the listing already in the cache. The reference.
+* ``fastload warm, in this process``: ``FetchConfig(staging_process=False)``.
+* ``fastload warm, lists first``: listing the bucket too (and starting the staging process).
+* ``fastload warm, s3fs transport``: ``FetchConfig(transport="fsspec")``, every GET through
+  s3fs/aiobotocore (what fastload falls back to where obstore cannot go).
 * ``s5cmd cp 's3://bucket/prefix/*' DIR/``: the Go tool S3 users reach for to copy many
   objects (256 workers by default); it lists the prefix first.
-* ``... beside a GIL-holding thread``: fastload again with a busy pure-Python thread in the
-  same process, standing in for a training step that holds the GIL (over the first
-  ``gil_objects`` objects: it is that slow). ``GIL ms/obj`` is the
-  share of the busy thread's rate that staging took, times the wall time, per object: the
-  time the training step lost to each staged object.
+* ``... beside a GIL-holding thread``: fastload with a busy pure-Python thread in the same
+  process, standing in for a training step that holds the GIL; staging in this process
+  crawls then, so that case stages only ``gil_objects``. ``busy thread lost`` is the
+  share of the thread's rate that staging took; ``GIL ms/obj`` that share times the wall
+  time, per object: what the training step lost to each staged object.
 
 Command (full size: 20,000 objects, median of 3)::
 
@@ -49,7 +52,9 @@ PREFIX = "train"
 FASTLOAD = "fastload warm"
 FASTLOAD_LISTING = "fastload warm, lists first"
 FASTLOAD_S3FS = "fastload warm, s3fs transport"
+FASTLOAD_HERE = "fastload warm, in this process"
 FASTLOAD_GIL = "fastload warm beside a GIL-holding thread"
+FASTLOAD_GIL_HERE = "fastload warm in this process beside a GIL-holding thread"
 S5CMD = "s5cmd cp"
 
 # The child: prepares, says "ready", stages on "go", reports, exits on "end".
@@ -61,12 +66,15 @@ from fastload.manifest import load_manifest
 from fastload.stage import FetchConfig
 spec = json.loads(sys.argv[1])
 url, cache, options = spec["url"], spec["cache"], spec["storage_options"]
-fetch = FetchConfig(transport=spec["transport"])
+fetch = FetchConfig(transport=spec["transport"], staging_process=spec["staging_process"])
+keys = None
 if not spec["list"]:
     fl.warm(url, cache_dir=cache, storage_options=options, dry_run=True, progress=False)
-    if spec["keys"] is not None:  # the first keys of the listing
-        listing = load_manifest(url, Path(cache), options).objects
-        spec["keys"] = [o.key for o in listing][: spec["keys"]]
+    listing = [o.key for o in load_manifest(url, Path(cache), options).objects]
+    # The first object starts the staging process (once per training job), untimed.
+    fl.warm(url, cache_dir=cache, storage_options=options, fetch=fetch, progress=False,
+            keys=listing[:1])
+    keys = listing[1 : spec["objects"] or len(listing)]
 spins = [0]
 stop = threading.Event()
 def busy():
@@ -83,7 +91,7 @@ print("ready", flush=True)
 sys.stdin.readline()
 s0, t0 = spins[0], time.monotonic()
 report = fl.warm(url, cache_dir=cache, storage_options=options, fetch=fetch, progress=False,
-                 keys=spec["keys"])
+                 keys=keys)
 wall = time.monotonic() - t0
 busy_rate = (spins[0] - s0) / wall
 stop.set()
@@ -142,6 +150,7 @@ def _cpu_s(pids: list[int]) -> float:
 
 @dataclass
 class _Run:
+    objects: int
     seconds: float
     client_cpu_s: float
     server_cpu_s: float
@@ -152,9 +161,10 @@ def _fastload(
     server: HTTPServerProcess,
     cache: Path,
     *,
-    transport: str,
-    list_first: bool,
-    busy: bool,
+    transport: str = "auto",
+    staging_process: bool = True,
+    list_first: bool = False,
+    busy: bool = False,
     objects: int | None = None,
 ) -> _Run:
     spec = {
@@ -162,9 +172,10 @@ def _fastload(
         "cache": str(cache),
         "storage_options": server.storage_options,
         "transport": transport,
+        "staging_process": staging_process,
         "list": list_first,
         "busy": busy,
-        "keys": objects,
+        "objects": objects,
     }
     with subprocess.Popen(
         [sys.executable, "-c", _CHILD, json.dumps(spec)],
@@ -193,7 +204,9 @@ def _fastload(
                     child.kill()
     if result["failed"]:
         raise RuntimeError(f"fastload failed on {result['failed']} objects")
-    return _Run(result["wall"], client1 - client0, server1 - server0, result["busy_lost"])
+    return _Run(
+        result["fetched"], result["wall"], client1 - client0, server1 - server0, result["busy_lost"]
+    )
 
 
 def _s5cmd(server: HTTPServerProcess, dest: Path) -> _Run:
@@ -216,25 +229,23 @@ def _s5cmd(server: HTTPServerProcess, dest: Path) -> _Run:
     cpu = (after.children_user - before.children_user) + (
         after.children_system - before.children_system
     )
-    return _Run(seconds, cpu, _cpu_s([server.pid()]) - server0)
+    objects = sum(1 for p in dest.rglob("*") if p.is_file())
+    return _Run(objects, seconds, cpu, _cpu_s([server.pid()]) - server0)
 
 
 def run(data_dir: str | os.PathLike[str], config: SmallObjectsBenchConfig | None = None) -> Report:
     config = config or SmallObjectsBenchConfig()
     data_dir = Path(data_dir)
     root = data_dir / "remote"
-    n = generate(root, config)
+    generate(root, config)
     scratch = data_dir / "scratch"
-    systems: dict[str, Any] = {
-        FASTLOAD: {"transport": "auto", "list_first": False, "busy": False},
-        FASTLOAD_LISTING: {"transport": "auto", "list_first": True, "busy": False},
-        FASTLOAD_S3FS: {"transport": "fsspec", "list_first": False, "busy": False},
-        FASTLOAD_GIL: {
-            "transport": "auto",
-            "list_first": False,
-            "busy": True,
-            "objects": min(n, config.gil_objects),
-        },
+    systems: dict[str, dict[str, Any]] = {
+        FASTLOAD: {},
+        FASTLOAD_HERE: {"staging_process": False},
+        FASTLOAD_LISTING: {"list_first": True},
+        FASTLOAD_S3FS: {"transport": "fsspec"},
+        FASTLOAD_GIL: {"busy": True},
+        FASTLOAD_GIL_HERE: {"staging_process": False, "busy": True, "objects": config.gil_objects},
     }
     have_s5cmd = s5cmd_binary() is not None
     runs: dict[str, list[_Run]] = {name: [] for name in [*systems, *([S5CMD] * have_s5cmd)]}
@@ -250,21 +261,17 @@ def run(data_dir: str | os.PathLike[str], config: SmallObjectsBenchConfig | None
                     runs[name].append(_fastload(server, scratch, **systems[name]))
     rows = []
     for name, done in runs.items():
-        n = min(n, config.gil_objects) if name == FASTLOAD_GIL else config.objects
+        n = statistics.median(r.objects for r in done)
         seconds = [r.seconds for r in done]
         extra = {
-            "client CPU ms/obj": 1000 * statistics.median(r.client_cpu_s for r in done) / n,
-            "server CPU ms/obj": 1000 * statistics.median(r.server_cpu_s for r in done) / n,
+            "client CPU ms/obj": 1000 * statistics.median(r.client_cpu_s / r.objects for r in done),
+            "server CPU ms/obj": 1000 * statistics.median(r.server_cpu_s / r.objects for r in done),
         }
-        lost = [r.busy_lost for r in done if r.busy_lost is not None]
+        lost = [r for r in done if r.busy_lost is not None]
         if lost:
-            extra["busy thread lost"] = statistics.median(lost)
-            extra["GIL ms/obj"] = (
-                1000
-                * statistics.median(
-                    r.busy_lost * r.seconds for r in done if r.busy_lost is not None
-                )
-                / n
+            extra["busy thread lost"] = statistics.median(r.busy_lost or 0.0 for r in lost)
+            extra["GIL ms/obj"] = 1000 * statistics.median(
+                (r.busy_lost or 0.0) * r.seconds / r.objects for r in lost
             )
         rows.append(
             Measurement(
@@ -273,8 +280,8 @@ def run(data_dir: str | os.PathLike[str], config: SmallObjectsBenchConfig | None
                 system=name,
                 seconds=statistics.median(seconds),
                 repeats=seconds,
-                items=n,
-                nbytes=n * config.object_bytes,
+                items=int(n),
+                nbytes=int(n) * config.object_bytes,
                 extra=extra,
             )
         )
