@@ -172,27 +172,27 @@ class StagingProcess:
                 return _rebuild(*message[1:])
         return None
 
-    def close(self) -> None:
-        """Ends the process (it exits when its stdin closes), waiting a bounded time."""
-        with self._lock:
-            process, self._process = self._process, None
-        if process is None:
-            return
-        _discard(process)
+    def close(self, wait_s: float = 10.0) -> None:
+        """Ends the process (it exits when its stdin closes, or is killed after wait_s).
+        Without the round lock: a round may be waiting on the remote for a long time."""
+        process, self._process = self._process, None
+        if process is not None:
+            _discard(process, wait_s)
 
 
-def _discard(process: subprocess.Popen[bytes]) -> None:
-    """Closes a staging process's pipes (it exits at its stdin's end) and reaps it, waiting
-    a bounded time before killing it."""
-    for stream in (process.stdin, process.stdout):
-        if stream is not None:
-            with contextlib.suppress(OSError):  # a broken pipe: the process is gone already
-                stream.close()
+def _discard(process: subprocess.Popen[bytes], wait_s: float = 10.0) -> None:
+    """Ends a staging process: closes its stdin (it exits between rounds), kills it after
+    wait_s, reaps it, then closes its stdout (only then: a round may be reading it)."""
+    with contextlib.suppress(OSError):  # a broken pipe: the process is gone already
+        if process.stdin is not None:
+            process.stdin.close()
     try:
-        process.wait(timeout=10)
+        process.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
 
 
 _processes: dict[tuple[int, int, str, Any, Any], StagingProcess] = {}
@@ -215,8 +215,8 @@ def for_stager(
 def _close_all() -> None:
     with _processes_lock:
         mine = [p for (pid, *_), p in _processes.items() if pid == os.getpid()]
-    for process in mine:
-        process.close()
+    for process in mine:  # a process mid-round would finish it first: exit promptly
+        process.close(wait_s=1.0)
 
 
 # --- the staging process itself ----------------------------------------------------------
