@@ -17,11 +17,12 @@ def test_every_system_stages_every_object_and_reports_its_cpu(tmp_path: Path) ->
     assert rows[bench.FASTLOAD].ratio == 1.0
     # Each fastload system stages its first object untimed (it starts the staging process).
     assert rows[bench.FASTLOAD].items == 59
-    assert rows[bench.FASTLOAD_HERE].items == 59
+    assert rows[bench.FASTLOAD_PROCESS].items == 59
     assert rows[bench.FASTLOAD_LISTING].items == 60
-    assert rows[bench.FASTLOAD_GIL_HERE].items == 9
+    assert rows[bench.FASTLOAD_GIL].items == 9
+    assert rows[bench.FASTLOAD_GIL_PROCESS].items == 59
     for row in rows.values():
         assert row.extra["client CPU ms/obj"] > 0
-    for name in (bench.FASTLOAD_GIL, bench.FASTLOAD_GIL_HERE):
+    for name in (bench.FASTLOAD_GIL, bench.FASTLOAD_GIL_PROCESS):
         # A share of a rate, noisy at this size (below 0 when the machine got quieter).
         assert rows[name].extra["busy thread lost"] <= 1

@@ -25,7 +25,9 @@ from fastload.manifest import RemoteObject
 from fastload.stage import FetchConfig
 from fastload.store import CachedStore
 
-QUICK = FetchConfig(jobs=8, retries=2, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)
+QUICK = FetchConfig(
+    jobs=8, retries=2, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10, staging_process=True
+)
 
 
 @pytest.fixture(params=["s3", "http"])
@@ -164,9 +166,11 @@ def test_the_staging_process_dies_with_its_parent(served: Remote, tmp_path: Path
         textwrap.dedent(
             f"""
             import json, os, sys, time
+            from fastload.stage import FetchConfig
             from fastload.store import CachedStore
             store = CachedStore.open({served.url!r}, cache_dir={str(tmp_path / "cache")!r},
-                                     storage_options={served.storage_options!r})
+                                     storage_options={served.storage_options!r},
+                                     fetch=FetchConfig(staging_process=True))
             store.stage(store.object_keys()[:2])
             print("staged", flush=True)
             time.sleep(600)

@@ -63,8 +63,9 @@ class FetchConfig:
     # fsspec filesystem elsewhere; "fsspec": always the filesystem (see fastload.transport).
     transport: Literal["auto", "fsspec"] = "auto"
     # Stage remote objects in a process of its own (fastload.stage_process), so staging
-    # never waits for, nor takes, the GIL of a training step.
-    staging_process: bool = True
+    # never waits for, nor takes, the GIL of a training step. Opt-in for now: its start-up
+    # (a fresh interpreter) lands on the first batch of a cold epoch.
+    staging_process: bool = False
 
     def __post_init__(self) -> None:
         if self.jobs < 1 or not 1 <= self.min_jobs <= self.jobs:

@@ -4,7 +4,9 @@ Beside a training step that holds the GIL, staging threads in the same process w
 the interpreter's switch interval (5 ms) at every hand-off: 24 small objects/s where 2,000
 are possible. A staging process has a GIL of its own. The training process hands it a
 round (the objects to stage) over a pipe and blocks reading the answer, which releases its
-GIL; a round costs one message each way, whatever its number of objects.
+GIL; a round costs one message each way, whatever its number of objects. Opt-in
+(``FetchConfig(staging_process=True)``): the process starts at the first round, a fresh
+interpreter's second or two, which a cold epoch's first batch would wait for.
 
 The process is a fresh interpreter (``python -m fastload.stage_process``), so nothing of
 the parent's state, obstore's runtime included, is inherited. It is told the filesystem
