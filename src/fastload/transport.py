@@ -172,8 +172,6 @@ class ObjectStoreTransport:
         try:
             answer = obstore.get(self._store(bucket), key, options=options)  # type: ignore[arg-type]
             return memoryview(answer.bytes())
-        except Declined:
-            raise
         except Exception as exc:
             error = _translate(exc, self._fallback.timeout_s)
             if isinstance(error, Declined):

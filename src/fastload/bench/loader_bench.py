@@ -76,7 +76,14 @@ import torch
 import torch.utils.data
 
 from fastload.bench import decode_bench, zarr_bench
-from fastload.bench.runner import Measurement, Report, process_tree, pss_bytes, relate
+from fastload.bench.runner import (
+    Measurement,
+    Report,
+    cpu_seconds,
+    process_tree,
+    pss_bytes,
+    relate,
+)
 from fastload.decode.params import TrainPreset
 
 CASES = ("memory", "jpeg", "zarr")
@@ -411,24 +418,6 @@ class MemorySampler:
         self._thread.join(timeout=5)
 
 
-def _cpu_seconds(pids: list[int]) -> dict[int, float]:
-    """User + system CPU seconds of each process so far: this one's to the nanosecond,
-    others' (``/proc/<pid>/stat``) to the clock tick."""
-    tick = os.sysconf("SC_CLK_TCK")
-    found = {}
-    for pid in pids:
-        if pid == os.getpid():
-            found[pid] = time.process_time()
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            found[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        except (OSError, IndexError, ValueError):
-            continue  # ended meanwhile
-    return found
-
-
 class SystemRun:
     """One system in its own process: its loader, made once, runs an epoch when asked."""
 
@@ -452,7 +441,7 @@ class SystemRun:
         step = self.step if with_step else None
         samples, stepping, waiting, first_s, end_s = 0, 0.0, 0.0, 0.0, 0.0
         self.memory.begin()
-        cpu_before = _cpu_seconds(process_tree(os.getpid()))
+        cpu_before = cpu_seconds(process_tree(os.getpid()))
         start = time.perf_counter()
         batches = iter(self.loader)
         iter_s = time.perf_counter() - start
@@ -473,7 +462,7 @@ class SystemRun:
                 step()
                 stepping += time.perf_counter() - before
         seconds = time.perf_counter() - start
-        cpu_after = _cpu_seconds(process_tree(os.getpid()))
+        cpu_after = cpu_seconds(process_tree(os.getpid()))
         peak_rss = self.memory.end()
         if samples != self.expected:
             raise AssertionError(f"{self.case}: {samples} samples in an epoch, not {self.expected}")

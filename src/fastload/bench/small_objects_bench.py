@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from fastload.bench.e2e_s3_peers import s5cmd_binary
-from fastload.bench.runner import Measurement, Report, process_tree, relate
+from fastload.bench.runner import Measurement, Report, cpu_seconds, process_tree, relate
 from fastload.testing import HTTPServerProcess
 from fastload.testing.s3_server import ACCESS_KEY, REGION, SECRET_KEY
 
@@ -137,17 +137,8 @@ def generate(root: Path, config: SmallObjectsBenchConfig) -> int:
 
 
 def _cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of the live processes pids (threads included)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / tick
+    """User + system CPU seconds of the live processes pids, together."""
+    return sum(cpu_seconds(pids).values())
 
 
 @dataclass
