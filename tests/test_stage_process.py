@@ -235,7 +235,6 @@ def test_a_forked_child_stages_in_its_own_threads(served: Remote, tmp_path: Path
 
 def test_processes_are_closed_at_exit_of_the_parent(tmp_path: Path) -> None:
     """The atexit hook ends every staging process this process started."""
-    assert stage_process._close_all is not None
     with open_remote("http", tmp_path) as served:
         store = open_store(served, tmp_path / "cache")
         store.stage(store.object_keys()[:1])
