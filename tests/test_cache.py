@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from fastload.cache import Cache, PlanHint, checksum_bytes, default_cache_dir, object_id
+from fastload.cache import Cache, Location, PlanHint, checksum_bytes, default_cache_dir, object_id
 from fastload.errors import CacheCorruptError
 
+# segment_bytes: 0 keeps every entry in a file of its own; 4096 packs entries up to 256 B.
+LAYOUTS = pytest.mark.parametrize("segment_bytes", [0, 4096], ids=["files", "segments"])
 
-def put(cache: Cache, url: str, data: bytes, version: str | None = "v1") -> Path | None:
+
+def put(cache: Cache, url: str, data: bytes, version: str | None = "v1") -> Location | None:
     lock = cache.fetch_lock(url)
     try:
         part = cache.new_part(url)
@@ -24,6 +27,21 @@ def put(cache: Cache, url: str, data: bytes, version: str | None = "v1") -> Path
 
 def files_under(path: Path) -> set[Path]:
     return {p for p in path.rglob("*") if p.is_file()}
+
+
+def bytes_on_disk(cache_dir: Path) -> int:
+    """What ``du --apparent-size`` counts of the cached bytes: own files and segments."""
+    return sum(
+        p.stat().st_size for sub in ("objects", "segments") for p in files_under(cache_dir / sub)
+    )
+
+
+def overwrite(where: Location, data: bytes) -> None:
+    fd = os.open(where.path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, where.offset)
+    finally:
+        os.close(fd)
 
 
 def test_published_object_is_found_with_its_size_checksum_and_version(tmp_path: Path) -> None:
@@ -64,15 +82,20 @@ def test_index_survives_reopening(tmp_path: Path) -> None:
         "/" + "../" * 20 + "tmp/evil",
     ],
 )
-def test_hostile_keys_cannot_create_files_outside_the_cache(tmp_path: Path, url: str) -> None:
+@LAYOUTS
+def test_hostile_keys_cannot_create_files_outside_the_cache(
+    tmp_path: Path, url: str, segment_bytes: int
+) -> None:
     cache_dir = tmp_path / "cache"
     outside_before = files_under(tmp_path) - files_under(cache_dir)
-    with Cache(cache_dir) as cache:
-        path = put(cache, url, b"payload")
-        assert path is not None
-        assert path.resolve().is_relative_to(cache_dir.resolve())
-        assert path.name == object_id(url)
+    with Cache(cache_dir, segment_bytes=segment_bytes) as cache:
+        where = put(cache, url, b"payload")
+        assert where is not None
+        assert Path(where.path).resolve().is_relative_to(cache_dir.resolve())
+        if not segment_bytes:
+            assert Path(where.path).name == object_id(url)
         assert cache.entry(url) is not None
+        assert cache.read_verified(url) == b"payload"
     outside_after = files_under(tmp_path) - files_under(cache_dir)
     assert outside_after == outside_before
 
@@ -90,10 +113,28 @@ def test_budget_is_never_exceeded(tmp_path: Path, policy) -> None:
             with cache.use(url):
                 pass
             assert cache.used_bytes() <= 10_000
-            on_disk = sum(
-                p.stat().st_size for p in (tmp_path / "objects").rglob("*") if p.is_file()
-            )
-            assert on_disk == cache.used_bytes()
+            assert bytes_on_disk(tmp_path) == cache.used_bytes()
+
+
+@pytest.mark.parametrize("policy", ["lru", "pin"])  # plan keeps entries in files of their own
+def test_budget_counts_whole_segments_and_is_never_exceeded(tmp_path: Path, policy) -> None:
+    """Packed entries are evicted a segment at a time; dead bytes in a segment still count."""
+    rng = random.Random(1)
+    urls = [f"s3://b/{i}" for i in range(200)]
+    with Cache(tmp_path, max_bytes=12_000, policy=policy, segment_bytes=2000) as cache:
+        cache.plan = PlanHint([rng.choice(urls) for _ in range(2000)])
+        for _ in range(2000):
+            url = rng.choice(urls)
+            if cache.lookup(url) is None:
+                put(cache, url, os.urandom(rng.randrange(20, 125)))
+            if rng.random() < 0.05:
+                cache.drop(url)  # dead bytes in its segment
+            with cache.use(url):
+                pass
+            assert bytes_on_disk(tmp_path) == cache.used_bytes() <= 12_000
+        assert len(files_under(tmp_path / "segments")) > 1
+        assert not files_under(tmp_path / "objects")
+        assert cache.verify() == []
 
 
 def test_an_object_larger_than_the_budget_is_turned_away(tmp_path: Path) -> None:
@@ -166,50 +207,79 @@ def test_when_everything_is_in_use_the_newcomer_is_turned_away(tmp_path: Path) -
 
 
 def test_verify_reports_corrupt_and_missing_files_and_drops_them(tmp_path: Path) -> None:
-    with Cache(tmp_path) as cache:
+    with Cache(tmp_path, segment_bytes=0) as cache:
         for name in "abc":
             put(cache, f"s3://b/{name}", name.encode() * 1000)
-        cache.path_for("s3://b/a").write_bytes(b"A" * 1000)  # same size, other bytes
-        cache.path_for("s3://b/b").unlink()
+        Path(cache.lookup("s3://b/a").path).write_bytes(b"A" * 1000)  # same size, other bytes
+        Path(cache.lookup("s3://b/b").path).unlink()
         problems = dict(cache.verify())
         assert problems == {"s3://b/a": "checksum mismatch", "s3://b/b": "missing"}
         assert {e.url for e in cache.entries()} == {"s3://b/c"}
         assert cache.verify() == []
 
 
-def test_a_truncated_file_is_a_miss_not_a_hit(tmp_path: Path) -> None:
-    with Cache(tmp_path) as cache:
-        put(cache, "s3://b/a", b"a" * 1000)
-        cache.path_for("s3://b/a").write_bytes(b"a" * 10)
+def test_verify_finds_corrupt_and_cut_off_entries_in_a_segment(tmp_path: Path) -> None:
+    with Cache(tmp_path, segment_bytes=4096) as cache:
+        where = {name: put(cache, f"s3://b/{name}", name.encode() * 200) for name in "abc"}
+        assert len({w.path for w in where.values()}) == 1  # one segment
+        overwrite(where["a"], b"A" * 200)
+        os.truncate(where["c"].path, where["c"].offset + 50)
+        problems = dict(cache.verify())
+        assert problems == {
+            "s3://b/a": "checksum mismatch",
+            "s3://b/c": "its segment ends 150 bytes early",
+        }
+        assert {e.url for e in cache.entries()} == {"s3://b/b"}
+        assert cache.read_verified("s3://b/b") == b"b" * 200
+
+
+@LAYOUTS
+def test_a_truncated_file_is_a_miss_not_a_hit(tmp_path: Path, segment_bytes: int) -> None:
+    with Cache(tmp_path, segment_bytes=segment_bytes) as cache:
+        where = put(cache, "s3://b/a", b"a" * 200)
+        os.truncate(where.path, where.offset + 10)
         assert cache.lookup("s3://b/a") is None
         assert cache.entry("s3://b/a") is None
 
 
-def test_read_verified_refuses_corrupt_bytes(tmp_path: Path) -> None:
-    with Cache(tmp_path) as cache:
-        put(cache, "s3://b/a", b"a" * 1000)
-        assert cache.read_verified("s3://b/a") == b"a" * 1000
-        cache.path_for("s3://b/a").write_bytes(b"b" * 1000)
+@LAYOUTS
+def test_read_verified_refuses_corrupt_bytes(tmp_path: Path, segment_bytes: int) -> None:
+    with Cache(tmp_path, segment_bytes=segment_bytes) as cache:
+        where = put(cache, "s3://b/a", b"a" * 200)
+        assert cache.read_verified("s3://b/a") == b"a" * 200
+        overwrite(where, b"b" * 200)
         with pytest.raises(CacheCorruptError, match="s3://b/a"):
             cache.read_verified("s3://b/a")
         assert cache.entry("s3://b/a") is None
 
 
 def test_verify_removes_files_the_index_does_not_claim(tmp_path: Path) -> None:
-    with Cache(tmp_path) as cache:
-        orphan = cache.path_for("s3://b/orphan")
+    with Cache(tmp_path, segment_bytes=4096) as cache:
+        orphan = Path(cache.storage.object_path(object_id("s3://b/orphan")))
         orphan.parent.mkdir(exist_ok=True)
         orphan.write_bytes(b"left by a crash between rename and commit")
+        unknown_segment = tmp_path / "segments" / "999.seg"
+        unknown_segment.write_bytes(b"a segment whose creating transaction never committed")
+        where = put(cache, "s3://b/kept", b"k" * 100)
+        cache.close()  # seals the segment, which a writer would otherwise hold
+        with open(where.path, "ab") as f:
+            f.write(b"appended by a writer killed before its commit")
         assert cache.verify() == []
         assert not orphan.exists()
+        assert not unknown_segment.exists()
+        assert os.path.getsize(where.path) == where.offset + 100
+        assert cache.read_verified("s3://b/kept") == b"k" * 100
 
 
 def test_leftover_parts_of_dead_fetchers_are_removed_on_open(tmp_path: Path) -> None:
     Cache(tmp_path).close()
     stale = tmp_path / "tmp" / f"{object_id('s3://b/a')}.99999.0"
     stale.write_bytes(b"half")
+    stale_segment = tmp_path / "tmp" / "segment-7.99999"
+    stale_segment.write_bytes(b"a segment its creator never renamed into place")
     Cache(tmp_path).close()
     assert not stale.exists()
+    assert not stale_segment.exists()
 
 
 def test_fetch_lock_is_exclusive_within_a_process(tmp_path: Path) -> None:
@@ -224,7 +294,7 @@ def test_fetch_lock_is_exclusive_within_a_process(tmp_path: Path) -> None:
 
 
 def test_evict_and_clear(tmp_path: Path) -> None:
-    with Cache(tmp_path) as cache:
+    with Cache(tmp_path, segment_bytes=0) as cache:
         for name in "abcd":
             put(cache, f"s3://b/{name}", b"x" * 100)
         assert cache.evict(to_bytes=200) == 2
@@ -267,3 +337,95 @@ def test_use_with_a_version_misses_on_another_version(tmp_path: Path) -> None:
         with cache.use("s3://b/a", version="etag1") as held:
             assert held is not None
             assert held.read_bytes() == b"old"
+
+
+def test_small_entries_are_packed_into_segments_and_survive_reopening(tmp_path: Path) -> None:
+    blobs = {f"s3://b/{i}": os.urandom(512) for i in range(1000)}
+    with Cache(tmp_path) as cache:  # no budget: 64 MB segments, entries up to 1 MB packed
+        for url, data in blobs.items():
+            put(cache, url, data)
+        assert cache.used_bytes() == 512_000 == bytes_on_disk(tmp_path)
+    assert len(files_under(tmp_path / "segments")) == 1
+    assert not files_under(tmp_path / "objects")
+    with Cache(tmp_path) as cache:
+        for url, data in blobs.items():
+            where = cache.lookup(url)
+            assert where is not None
+            assert where.read() == data
+            assert where.read(100, 16) == data[100:116]
+
+
+def test_a_segment_with_an_entry_in_use_is_never_evicted(tmp_path: Path) -> None:
+    with Cache(tmp_path, max_bytes=3000, segment_bytes=1000) as cache:
+        for i in range(10):  # segments 1 and 2, 10 entries of 60 B (plus room for 6 more)
+            put(cache, f"s3://b/{i}", bytes([i]) * 60)
+        old = cache.lookup("s3://b/0")
+        assert old is not None
+        with cache.use("s3://b/0") as held:  # holds segment 1, the least recently used
+            assert held == old
+            for i in range(10, 40):
+                put(cache, f"s3://b/{i}", bytes([i]) * 60)
+            assert cache.entry("s3://b/0") is not None  # its segment stayed
+            assert held.read() == bytes([0]) * 60
+            assert cache.used_bytes() <= 3000
+        assert cache.verify() == []
+
+
+def test_byte_ranges_are_entries_of_their_own(tmp_path: Path) -> None:
+    url = "s3://b/shard.tar"
+    with Cache(tmp_path, segment_bytes=4096) as cache:
+        for start, data in ((0, b"head"), (1000, b"middle-range")):
+            span = (start, len(data))
+            lock = cache.fetch_lock(url, span)
+            try:
+                part = cache.new_part(url, span)
+                part.write(data)
+                assert cache.publish(part, version="etag1") is not None
+            finally:
+                lock.release()
+        assert cache.entry(url) is None  # the whole object is not cached, two ranges are
+        where = cache.lookup(url, span=(1000, 12), version="etag1")
+        assert where is not None
+        assert where.read() == b"middle-range"
+        assert cache.read_verified(url, (0, 4)) == b"head"
+        assert cache.entry(url, (1000, 12)).start == 1000
+        assert cache.lookup(url, span=(1000, 13)) is None  # another range
+        assert cache.lookup(url, span=(0, 4), version="etag2") is None  # the object changed
+        assert cache.entry(url, (0, 4)) is None
+        assert cache.drop(url, (1000, 12))
+        assert cache.entries() == []
+
+
+def test_an_index_of_the_format_before_segments_is_upgraded_in_place(tmp_path: Path) -> None:
+    import sqlite3
+
+    from fastload.cache import checksum_bytes as checksum
+
+    url, data = "s3://b/old", b"cached by fastload 0.1"
+    oid = object_id(url)
+    (tmp_path / "objects" / oid[:2]).mkdir(parents=True)
+    (tmp_path / "objects" / oid[:2] / oid).write_bytes(data)
+    db = sqlite3.connect(tmp_path / "index.sqlite")
+    db.executescript(
+        """
+        CREATE TABLE objects (id TEXT PRIMARY KEY, url TEXT NOT NULL, size INTEGER NOT NULL,
+            checksum TEXT NOT NULL, version TEXT, created REAL NOT NULL, last_use REAL NOT NULL);
+        CREATE INDEX objects_by_last_use ON objects (last_use);
+        CREATE TABLE totals (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+        """
+    )
+    db.execute(
+        "INSERT INTO objects VALUES (?, ?, ?, ?, ?, 1.0, 1.0)",
+        (oid, url, len(data), checksum(data), "etag1"),
+    )
+    db.execute("INSERT INTO totals VALUES ('bytes', ?)", (len(data),))
+    db.commit()
+    db.close()
+    with Cache(tmp_path) as cache:
+        assert cache.used_bytes() == len(data)
+        where = cache.lookup(url, version="etag1", size=len(data))
+        assert where is not None
+        assert where.read() == data
+        put(cache, "s3://b/new", b"packed")
+        assert cache.verify() == []
+        assert cache.used_bytes() == len(data) + len(b"packed")

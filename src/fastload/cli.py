@@ -154,11 +154,19 @@ def _cache(args: argparse.Namespace) -> int:
             )
         elif args.action == "du":
             entries = cache.entries()
-            used = sum(e.size for e in entries)
+            used, on_disk = sum(e.size for e in entries), cache.used_bytes()
+            index = cache.index.file_bytes()
             _print(
-                {"cache_dir": str(cache.dir), "objects": len(entries), "bytes": used},
+                {
+                    "cache_dir": str(cache.dir),
+                    "objects": len(entries),
+                    "bytes": used,
+                    "bytes_on_disk": on_disk,  # what the budget counts: dead bytes too
+                    "index_bytes": index,
+                },
                 args.json,
-                f"{used / 1e6:,.1f} MB in {len(entries):,} objects under {cache.dir}",
+                f"{used / 1e6:,.1f} MB in {len(entries):,} entries under {cache.dir}; "
+                f"{on_disk / 1e6:,.1f} MB on disk, index {index / 1e6:,.1f} MB",
             )
         elif args.action == "verify":
             problems = cache.verify(repair=True)

@@ -410,9 +410,10 @@ class _Round:
 
     def _cached(self, i: int) -> bool:
         obj, url, cache = self.objects[i], self.urls[i], self.cache
-        if cache.lookup(url, version=obj.version, size=obj.size) is None:
+        where = cache.lookup(url, version=obj.version, size=obj.size)
+        if where is None:
             return False
-        self._record(i, StageResult(url, "cached", obj.size or cache.path_for(url).stat().st_size))
+        self._record(i, StageResult(url, "cached", where.size))
         return True
 
     def _dispatch(self, i: int) -> None:
@@ -482,8 +483,8 @@ class _Round:
             parts.append((i, part, self.objects[i].version))
         published = self.cache.publish_many([(part, version) for _, part, version in parts])
         attempts = {item.index: item.attempts for item in batch}
-        for (i, part, _), path in zip(parts, published, strict=True):
-            outcome: Outcome = "fetched" if path is not None else "skipped"
+        for (i, part, _), where in zip(parts, published, strict=True):
+            outcome: Outcome = "fetched" if where is not None else "skipped"
             self._record(i, StageResult(self.urls[i], outcome, part.size, attempts[i]))
         for item in batch:
             self._release(item.index)

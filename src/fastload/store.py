@@ -12,10 +12,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from fastload.cache import Cache, Policy
+from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import open_filesystem, public_url
@@ -118,8 +117,8 @@ class CachedStore:
         """Fetches keys into the cache now, concurrently, in this order of priority."""
         return self.stager.stage([self.object(k) for k in keys])
 
-    def local_path(self, key: str) -> Path | None:
-        """The cached file of key if it is cached (and current), without fetching."""
+    def local_path(self, key: str) -> Location | None:
+        """Where key's cached bytes are if it is cached (and current), without fetching."""
         obj = self.object(key)
         return self.cache.lookup(self.manifest.object_url(obj), version=obj.version, size=obj.size)
 
@@ -128,9 +127,9 @@ class CachedStore:
         obj = self.object(key)
         url = self.manifest.object_url(obj)
         for _ in range(3):  # a cached copy can be evicted between staging and reading
-            with self.cache.use(url, version=obj.version) as path:
-                if path is not None:
-                    return _pread(path, offset, length)
+            with self.cache.use(url, version=obj.version) as where:
+                if where is not None:
+                    return where.read(offset, length)
             (result,) = self.stager.stage([obj], here=True)  # the reader waits for it
             if result.outcome == "failed":
                 raise self.stager.failure(obj, result)
@@ -151,11 +150,3 @@ class CachedStore:
         self._cache = None
         self._stager = None
         self._pid = -1
-
-
-def _pread(path: Path, offset: int, length: int | None) -> bytes:
-    with open(path, "rb", buffering=0) as f:
-        if length is None:
-            f.seek(offset)
-            return f.read()
-        return os.pread(f.fileno(), length, offset)

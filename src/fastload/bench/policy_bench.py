@@ -4,7 +4,7 @@ A dataset twice the cache's budget (default 400 objects of 4 KB, budget half the
 read for three epochs, each a fresh seeded permutation, as a shuffling loader reads it. The
 "remote" is a local folder: this measures the policies, not a network. Per access::
 
-    with cache.use(url) as path:     # a hit holds the cached file while it is read
+    with cache.use(url) as where:    # a hit holds the cached bytes while it is read
         ...                          # hit: read it, cache.touch([url]) (what lru orders by)
     # miss: read the remote file, publish it (fetch_lock, new_part, publish)
 
@@ -113,10 +113,10 @@ def epoch_orders(urls: list[str], config: PolicyBenchConfig) -> list[list[str]]:
 
 def _access(cache: Cache, url: str) -> tuple[bool, int]:
     """One read through the cache: (hit, bytes fetched from the remote)."""
-    with cache.use(url) as path:
-        if path is not None:
-            path.read_bytes()
-    if path is not None:
+    with cache.use(url) as where:
+        if where is not None:
+            where.read()
+    if where is not None:
         cache.touch([url])
         return True, 0
     data = Path(url).read_bytes()  # the "remote" is a local folder

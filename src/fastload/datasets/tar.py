@@ -288,11 +288,11 @@ def _build_index(store: CachedStore, key: str) -> list[Member]:
 
 @contextlib.contextmanager
 def _open_shard(store: CachedStore, key: str) -> Iterator[BinaryIO]:
-    """The cached file when there is one (only headers get read), else the whole object."""
-    path = store.local_path(key)
-    if path is not None:
+    """The cached file when the shard has one (only headers get read), else its bytes."""
+    where = store.local_path(key)
+    if where is not None and where.offset == 0:
         try:
-            f = open(path, "rb")  # noqa: SIM115 - closed below; an open file survives eviction
+            f = open(where.path, "rb")  # noqa: SIM115 - closed below; survives eviction
         except FileNotFoundError:
             pass  # evicted since the lookup
         else:

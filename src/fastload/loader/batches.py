@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from fastload.cache import Location
 from fastload.datasets.base import Range, ShardedDataset
 from fastload.datasets.folder import FileDataset, ImageFolderDataset
 from fastload.datasets.tar import TarDataset
@@ -164,26 +165,25 @@ class BatchBuilder:
                 self._needed.update(keys)
             self.stats.count("objects_needed", len(self._needed) - before)
 
-    def _local_path(self, key: str) -> str | None:
-        local = self.dataset.store.local_path(key)
-        return None if local is None else str(local)
+    def _located(self, key: str) -> Location | None:
+        return self.dataset.store.local_path(key)
 
     def _read(self, indices: list[int], context: _ReadContext) -> list[Any]:
         """Each sample, as ``dataset[index]`` gives it: natively read where its objects are
         cached, through the cache (which fetches) otherwise."""
         ds = self.dataset
         ranges: list[list[Range] | None] = [ds.sample_ranges(i) for i in indices]
-        paths: dict[str, str | None] = {}
+        paths: dict[str, Location | None] = {}
         for rs in ranges:
             for key, _, _ in rs or ():
                 if key not in paths:
-                    paths[key] = self._local_path(key)
+                    paths[key] = self._located(key)
         self._note_needed(ds.shard_keys[ds.shard_of(i)] for i in indices)
         missing = [key for key, path in paths.items() if path is None]
         if missing:  # not staged ahead (yet): fetch this batch's objects together
             self._record(ds.store.stage(missing))
             for key in missing:
-                paths[key] = self._local_path(key)
+                paths[key] = self._located(key)
         native = [rs is not None and all(paths[k] is not None for k, _, _ in rs) for rs in ranges]
         parts: list[list[memoryview] | None] = [None] * len(indices)
         if any(native):
@@ -207,7 +207,7 @@ class BatchBuilder:
         self,
         ranges: list[list[Range] | None],
         native: list[bool],
-        paths: dict[str, str | None],
+        paths: dict[str, Location | None],
         context: _ReadContext,
     ) -> list[list[memoryview] | None]:
         total = sum(n for rs, ok in zip(ranges, native, strict=True) if ok for _, _, n in rs or ())
@@ -221,7 +221,9 @@ class BatchBuilder:
                 continue
             spans = []
             for key, offset, length in rs:
-                requests.append((paths[key], offset, length, buffer, at))
+                found = paths[key]
+                assert found is not None  # native only where every object is located
+                requests.append((found.path, found.offset + offset, length, buffer, at))
                 spans.append((at, length))
                 at += length
             where.append(spans)

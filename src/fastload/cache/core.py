@@ -1,0 +1,670 @@
+"""The Cache: lookup, use, publish and eviction over the index (``index.py``), the bytes on
+disk (``storage.py``) and the fetch locks (``locks.py``). See the package docstring."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import errno
+import functools
+import hashlib
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypeAlias
+
+import xxhash
+
+from fastload.cache.index import Entry, Index
+from fastload.cache.locks import FetchLock, FetchLocks
+from fastload.cache.storage import Location, PartFile, Storage, disk_error
+from fastload.errors import CacheCorruptError, CacheError
+
+Policy: TypeAlias = Literal["lru", "pin", "plan"]
+POLICIES: tuple[Policy, ...] = ("lru", "pin", "plan")
+CACHE_DIR_ENV = "FASTLOAD_CACHE_DIR"
+Span: TypeAlias = tuple[int, int]  # (start, length) of a byte range of an object
+
+
+def default_cache_dir() -> Path:
+    """``$FASTLOAD_CACHE_DIR``, else the per-user cache folder (``$XDG_CACHE_HOME/fastload``)."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastload"
+
+
+@functools.lru_cache(maxsize=8192)  # staging asks for the same ids 4-5 times per object
+def object_id(url: str) -> str:
+    return hashlib.sha256(url.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
+def entry_id(url: str, span: Span | None = None) -> str:
+    """The id of url's whole object, or of its byte range span."""
+    if span is None:
+        return object_id(url)
+    start, length = span
+    return object_id(f"{url}\0bytes={start}+{length}")  # no URL holds a NUL
+
+
+def printable(url: str) -> str:
+    """url as the index stores and shows it: undecodable bytes of a key become escapes."""
+    return url.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def checksum_bytes(data: bytes | memoryview) -> str:
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(data)
+
+
+def checksum_file(path: Path | str, offset: int = 0, size: int | None = None) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = size
+        while chunk := f.read(1 << 20 if left is None else min(1 << 20, left)):
+            h.update(chunk)
+            if left is not None:
+                left -= len(chunk)
+    return "xxh3:" + h.hexdigest()
+
+
+class PlanHint:
+    """A future access order (object URLs); ``next_use`` says when each is needed next."""
+
+    def __init__(self, order: Sequence[str]) -> None:
+        self._positions: dict[str, list[int]] = {}
+        for i, url in enumerate(order):
+            self._positions.setdefault(object_id(url), []).append(i)
+        self.position = 0
+        self.length = len(order)
+
+    def next_use(self, oid: str) -> float:
+        positions = self._positions.get(oid)
+        if not positions:
+            return float("inf")
+        i = bisect.bisect_left(positions, self.position)
+        return positions[i] if i < len(positions) else float("inf")
+
+    def advance(self, oid: str) -> None:
+        """The consumer has reached the next use of oid."""
+        nxt = self.next_use(oid)
+        if nxt != float("inf"):
+            self.position = int(nxt) + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    cache_dir: Path
+    max_bytes: int | None = None
+    policy: Policy = "lru"
+    lock_timeout_s: float = 600.0
+    fsync: bool = False  # survive power loss, not only process death, at a cost per file
+    # Small entries are packed into segments of this many bytes (storage.py); None: 1/64 of
+    # max_bytes, at most 64 MB, and no packing under a 64 MB budget; 0: never pack.
+    segment_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {self.max_bytes}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.lock_timeout_s <= 0:
+            raise ValueError(f"lock_timeout_s must be > 0, got {self.lock_timeout_s}")
+        if self.segment_bytes is not None and self.segment_bytes < 0:
+            raise ValueError(f"segment_bytes must be >= 0 or None, got {self.segment_bytes}")
+
+
+@dataclass(slots=True)
+class _Publication:
+    part: PartFile
+    version: str | None
+    oid: str = ""
+    location: Location | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+# An eviction candidate: ("file", entry id, bytes) or ("segment", segment number, bytes).
+_Victim: TypeAlias = tuple[str, str | int, int]
+_FILES = "SELECT id, size, last_use FROM objects WHERE segment IS NULL AND id != ?"
+
+
+def _same_bytes(a: Entry, b: Entry) -> bool:
+    """Whether two rows of one id describe the same stored bytes (uses may differ)."""
+    return (a.created, a.segment, a.position, a.checksum) == (
+        b.created,
+        b.segment,
+        b.position,
+        b.checksum,
+    )
+
+
+class Cache:
+    """fastload's local cache. Thread-safe; one instance per process (re-opens after fork)."""
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        max_bytes: int | None = None,
+        policy: Policy = "lru",
+        lock_timeout_s: float = 600.0,
+        fsync: bool = False,
+        segment_bytes: int | None = None,
+        create: bool = True,
+    ) -> None:
+        """``create=False`` opens only an existing cache (a CacheError names the folder
+        otherwise), for tools that inspect one rather than fill it."""
+        self.config = CacheConfig(
+            cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+            max_bytes=max_bytes,
+            policy=policy,
+            lock_timeout_s=lock_timeout_s,
+            fsync=fsync,
+            segment_bytes=segment_bytes,
+        )
+        self.dir = self.config.cache_dir
+        if not create and not (self.dir / "index.sqlite").is_file():
+            raise CacheError(
+                errno.ENOENT,
+                f"there is no fastload cache in {self.dir}; check the cache directory "
+                "(cache_dir, --cache-dir or $FASTLOAD_CACHE_DIR)",
+            )
+        try:
+            (self.dir / "manifests").mkdir(parents=True, exist_ok=True)
+            self.storage = Storage(self.dir, self.config)
+        except OSError as exc:
+            raise CacheError(
+                exc.errno,
+                f"cannot use {self.dir} as the cache directory ({exc.strerror}: "
+                f"{exc.filename}); choose a writable folder with cache_dir, --cache-dir or "
+                "$FASTLOAD_CACHE_DIR",
+            ) from exc
+        self.fetch_locks = FetchLocks.for_path(self.dir / "fetch.lock")
+        self.index = Index(self.dir)
+        self._lock = self.index.lock  # serializes this process's writes
+        self._pending: list[_Publication] = []  # parts waiting for the next group commit
+        self._pending_lock = threading.Lock()
+        # ``plan`` ranks entries one by one, so it keeps each in a file of its own.
+        self._packs = policy != "plan" and self.storage.segment_entry_max > 0
+        self.plan: PlanHint | None = None
+        self.storage.sweep(self.index.segment_sizes(), self.fetch_locks)
+
+    # --- the index ---------------------------------------------------------------------------
+
+    def entry(self, url: str, span: Span | None = None) -> Entry | None:
+        return self.index.entry(entry_id(url, span))
+
+    def entry_by_id(self, oid: str) -> Entry | None:
+        return self.index.entry(oid)
+
+    def entries(self) -> list[Entry]:
+        return self.index.entries()
+
+    def used_bytes(self) -> int:
+        """Bytes on disk of everything cached: own files, and segments whole (dead bytes
+        included)."""
+        return self.index.used_bytes()
+
+    def touch(self, urls: Sequence[str]) -> None:
+        """Records a use of each url now (what ``lru`` orders by)."""
+        self.index.note_uses([object_id(u) for u in urls])
+
+    def location_of(self, entry: Entry) -> Location:
+        return self.storage.location(entry.id, entry.segment, entry.position, entry.size)
+
+    # --- lookup and use ----------------------------------------------------------------------
+
+    def lookup(
+        self,
+        url: str,
+        *,
+        version: str | None = None,
+        size: int | None = None,
+        span: Span | None = None,
+    ) -> Location | None:
+        """Where url's cached bytes (of span, if given) are, if it holds that version (and
+        size), else None.
+
+        A stale version, or a file shorter than the index says, is dropped here, so it is
+        refetched rather than returned.
+        """
+        entry = self.entry(url, span)
+        if entry is None:
+            return None
+        location = self.location_of(entry)
+        stale = (version is not None and entry.version != version) or (
+            size is not None and span is None and entry.size != size
+        )
+        if stale or not self.storage.intact(location, packed=entry.segment is not None):
+            self._drop(entry.id)
+            return None
+        return location
+
+    @contextlib.contextmanager
+    def use(
+        self, url: str, *, version: str | None = None, span: Span | None = None
+    ) -> Iterator[Location | None]:
+        """Holds url's cached bytes (or yields None on a miss, or when ``version`` is given
+        and the cached copy is another version) so eviction leaves them alone."""
+        held = self._hold(entry_id(url, span), version)
+        try:
+            yield None if held is None else held[1]
+        finally:
+            if held is not None:
+                os.close(held[0])
+
+    def _hold(self, oid: str, version: str | None) -> tuple[int, Location] | None:
+        for _ in range(3):  # the file can be replaced or evicted between lookup and lock
+            entry = self.index.entry(oid)
+            if entry is None or (version is not None and entry.version != version):
+                return None
+            location = self.location_of(entry)
+            fd = self.storage.hold(location)
+            if fd is None:
+                continue
+            now = self.index.entry(oid)
+            if now is not None and _same_bytes(now, entry):  # still the one whose file we hold
+                if self.plan is not None:
+                    self.plan.advance(oid)
+                self.index.note_use(oid)
+                return fd, location
+            os.close(fd)
+        return None
+
+    # --- fetching and publishing -------------------------------------------------------------
+
+    def try_fetch_lock(self, url: str, span: Span | None = None) -> FetchLock | None:
+        """The fetch lock of url (of span) if it is free now, else None (someone else is
+        fetching it). A part is named by its entry alone: the lock makes its holder the only
+        writer, and a part left by a holder that died is simply overwritten."""
+        oid = entry_id(url, span)
+        if not self.fetch_locks.try_acquire(oid):
+            return None
+        return FetchLock(self.fetch_locks, oid)
+
+    def fetch_lock(self, url: str, span: Span | None = None) -> FetchLock:
+        """The fetch lock of url, waiting (up to lock_timeout_s) while another process holds it."""
+        deadline = time.monotonic() + self.config.lock_timeout_s
+        delay = 0.001
+        while (lock := self.try_fetch_lock(url, span)) is None:
+            if time.monotonic() >= deadline:
+                raise self.lock_timeout(url)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return lock
+
+    def lock_timeout(self, url: str) -> CacheError:
+        return CacheError(
+            errno.ETIMEDOUT,
+            f"waited {self.config.lock_timeout_s:.0f}s for another process fetching {url}; "
+            f"it may be stuck: `fuser -v {self.dir / 'fetch.lock'}` lists the candidates",
+        )
+
+    def new_part(self, url: str, span: Span | None = None) -> PartFile:
+        """Where url's bytes (or those of its range span) are written before publication;
+        hold its fetch lock."""
+        return self.storage.new_part(entry_id(url, span), url, span, self._packs)
+
+    def would_admit(self, url: str, size: int) -> bool:
+        """Whether publishing size bytes of url could succeed now (a cheap pre-check)."""
+        max_bytes = self.config.max_bytes
+        if max_bytes is None:
+            return True
+        if size > max_bytes:
+            return False
+        if self.config.policy == "pin":
+            return self.used_bytes() + size <= max_bytes
+        return True
+
+    def publish(self, part: PartFile, *, version: str | None) -> Location | None:
+        """Moves a finished part into the cache, evicting by policy to stay within max_bytes.
+
+        Returns where its bytes now are, or None when the policy turns the entry away (the
+        cache is full under ``pin``, or under ``plan`` everything cached is needed sooner);
+        the part is then removed. Threads publishing at once share one index transaction
+        (group commit): whoever gets the lock publishes everything queued so far.
+        """
+        item = _Publication(part, version)
+        with self._pending_lock:
+            self._pending.append(item)
+        with self._lock:
+            if not item.done:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                self._publish_batch(batch)
+        if item.error is not None:
+            raise item.error
+        return item.location
+
+    def publish_many(self, parts: Sequence[tuple[PartFile, str | None]]) -> list[Location | None]:
+        """:meth:`publish` for a batch of (part, version) in one index transaction; the
+        locations in order (None where the policy turned a part away). A failure is raised
+        after the others are published."""
+        items = [_Publication(part, version) for part, version in parts]
+        if items:
+            with self._lock:
+                self._publish_batch(items)
+        for item in items:
+            if item.error is not None:
+                raise item.error
+        return [item.location for item in items]
+
+    def _publish_batch(self, batch: list[_Publication]) -> None:
+        """Admits each part by policy, writes the packed ones with one append, and records
+        everything in one transaction."""
+        storage = self.storage
+        try:
+            with self.index.transaction() as db:
+                packed: list[_Publication] = []
+                for item in batch:
+                    part = item.part
+                    item.oid = entry_id(part.url, part.span)
+                    try:
+                        if not self._make_room(db, item.oid, part.size):
+                            part.discard()
+                            continue
+                        self._forget(db, item.oid)  # a version being replaced
+                        if part.in_memory:
+                            packed.append(item)
+                        else:
+                            path = storage.place_file(part, item.oid)
+                            self._record(db, item, None, 0)
+                            item.location = Location(path, 0, part.size)
+                    except CacheError as exc:
+                        part.discard()
+                        item.error = exc
+                    except OSError as exc:
+                        part.discard()
+                        item.error = disk_error(exc, part.path)
+                if packed:
+                    placed = storage.append(
+                        [item.part for item in packed], lambda: self.index.new_segment(db)
+                    )
+                    for segment, grown in storage.take_growth():
+                        self.index.grow_segment(db, segment, grown)
+                    for item, (segment, position) in zip(packed, placed, strict=True):
+                        self._record(db, item, segment, position)
+                        item.location = storage.location(
+                            item.oid, segment, position, item.part.size
+                        )
+                        item.part.chunks = None
+        except BaseException as exc:
+            # Bytes appended but not recorded: never append after them (a later record would
+            # lie past the recorded size). The next open cuts them off.
+            storage.seal()
+            for item in batch:
+                if item.location is None and item.error is None:
+                    item.part.discard()
+                    item.error = exc
+                elif item.location is not None:  # written, but the index never recorded it
+                    item.location, item.error = None, exc
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            for item in batch:
+                item.done = True
+
+    def _record(
+        self, db: sqlite3.Connection, item: _Publication, segment: int | None, position: int
+    ) -> None:
+        part, now = item.part, time.time()
+        start = None if part.span is None else part.span[0]
+        entry = Entry(
+            item.oid,
+            printable(part.url),
+            part.size,
+            part.checksum,
+            item.version,
+            now,
+            now,
+            segment,
+            position,
+            start,
+        )
+        self.index.add(db, entry)
+
+    def _forget(self, db: sqlite3.Connection, oid: str) -> None:
+        """Drops the row (and an own file) of an entry about to be published again."""
+        old = Index.row(db, oid)
+        if old is not None:
+            self.index.remove(db, old)
+
+    # --- eviction ----------------------------------------------------------------------------
+
+    def _make_room(self, db: sqlite3.Connection, oid: str, size: int) -> bool:
+        max_bytes = self.config.max_bytes
+        if max_bytes is None:
+            return True
+        old = Index.row(db, oid)
+        freed_by_replacing = old.size if old is not None and old.segment is None else 0
+        need = Index.total(db) - freed_by_replacing + size - max_bytes
+        if need <= 0:
+            return True
+        if size > max_bytes or self.config.policy == "pin":
+            return False
+        chosen: list[tuple[_Victim, int]] = []
+        freed = 0
+        try:
+            for victim in self._victims(db, oid):
+                if freed >= need:
+                    break
+                fd = self.storage.lock_unused(self._victim_path(victim))
+                if fd is None:
+                    continue  # in use: never evicted
+                chosen.append((victim, fd))
+                freed += victim[2]
+            if freed < need:
+                return False
+            for (kind, key, _), _fd in chosen:
+                if kind == "segment":
+                    assert isinstance(key, int)
+                    self.storage.remove(self.storage.segment_path(key))
+                    self.index.remove_segment(db, key)
+                else:
+                    assert isinstance(key, str)
+                    self.storage.remove(self.storage.object_path(key))
+                    row = Index.row(db, key)
+                    if row is not None:
+                        self.index.remove(db, row)
+            return True
+        finally:
+            for _, fd in chosen:
+                os.close(fd)
+
+    def _victim_path(self, victim: _Victim) -> str:
+        kind, key, _ = victim
+        if kind == "segment":
+            assert isinstance(key, int)
+            return self.storage.segment_path(key)
+        assert isinstance(key, str)
+        return self.storage.object_path(key)
+
+    def _victims(self, db: sqlite3.Connection, oid: str) -> list[_Victim]:
+        """What to evict first to make room for oid: ``plan``: furthest next use first,
+        and nothing needed sooner than oid; ``lru`` (and ``plan`` without a plan): least
+        recently used first. A segment goes whole: it counts as used when any entry in it
+        was, and as needed when any entry in it is."""
+        plan = self.plan
+        if self.config.policy != "plan" or plan is None:
+            return self._lru_victims(db, oid)
+        mine = plan.next_use(oid)
+        ranked: list[tuple[float, _Victim]] = [
+            (plan.next_use(r[0]), ("file", r[0], r[1])) for r in db.execute(_FILES, (oid,))
+        ]
+        soonest: dict[int, float] = {}
+        for member, segment in db.execute(
+            "SELECT id, segment FROM objects WHERE segment IS NOT NULL"
+        ):
+            soonest[segment] = min(soonest.get(segment, float("inf")), plan.next_use(member))
+        for segment, size in db.execute("SELECT id, size FROM segments"):
+            ranked.append((soonest.get(segment, float("inf")), ("segment", segment, size)))
+        ranked.sort(key=lambda r: r[0], reverse=True)
+        return [victim for when, victim in ranked if when > mine]
+
+    def _lru_victims(self, db: sqlite3.Connection, oid: str) -> list[_Victim]:
+        self.index.write_uses(db)
+        rows = db.execute(
+            f"SELECT 'file', id, size, last_use FROM ({_FILES}) "
+            "UNION ALL SELECT 'segment', s.id, s.size, COALESCE(MAX(o.last_use), 0) "
+            "FROM segments s LEFT JOIN objects o ON o.segment = s.id GROUP BY s.id "
+            "ORDER BY 4",
+            (oid,),
+        ).fetchall()
+        return [(kind, key, size) for kind, key, size, _ in rows]
+
+    # --- maintenance -------------------------------------------------------------------------
+
+    def drop(self, url: str, span: Span | None = None) -> bool:
+        """Removes url (its range span) from the cache unless a reader holds it; True if it
+        is gone. A packed entry's bytes stay on disk (and counted) until its segment goes."""
+        return self._drop(entry_id(url, span))
+
+    def _drop(self, oid: str) -> bool:
+        with self.index.transaction() as db:
+            entry = Index.row(db, oid)
+            if entry is None:
+                return True
+            if entry.segment is not None:
+                self.index.remove(db, entry)
+                if Index.segment_live(db, entry.segment) == 0:
+                    self._remove_segment_if_unused(db, entry.segment)
+                return True
+            fd = self.storage.lock_unused(self.storage.object_path(oid))
+            if fd is None:
+                return False
+            try:
+                self.storage.remove(self.storage.object_path(oid))
+                self.index.remove(db, entry)
+            finally:
+                os.close(fd)
+        return True
+
+    def _remove_segment_if_unused(self, db: sqlite3.Connection, segment: int) -> bool:
+        if segment == self.storage.active_segment():
+            return False
+        path = self.storage.segment_path(segment)
+        fd = self.storage.lock_unused(path)
+        if fd is None:
+            return False
+        try:
+            self.storage.remove(path)
+            self.index.remove_segment(db, segment)
+        finally:
+            os.close(fd)
+        return True
+
+    def verify(self, *, repair: bool = True) -> list[tuple[str, str]]:
+        """Recomputes every checksum; returns (url, problem) for each bad entry.
+
+        With ``repair`` the bad entries are dropped (refetched on next use), and files that
+        no index row claims (left by a crash between writing and recording) are removed.
+        """
+        problems: list[tuple[str, str]] = []
+        bad: list[str] = []
+        for entry in self.entries():
+            location = self.location_of(entry)
+            problem = ""
+            try:
+                length = os.stat(location.path).st_size
+            except FileNotFoundError:
+                problem = "missing"
+            else:
+                own = entry.segment is None
+                if own and length != entry.size:
+                    problem = f"size {length} != recorded {entry.size}"
+                elif not own and length < entry.position + entry.size:
+                    problem = f"its segment ends {entry.position + entry.size - length} bytes early"
+                elif checksum_file(location.path, location.offset, entry.size) != entry.checksum:
+                    problem = "checksum mismatch"
+            if problem:
+                name = entry.url if entry.start is None else f"{entry.url} from byte {entry.start}"
+                problems.append((name, problem))
+                bad.append(entry.id)
+        if repair:
+            for oid in bad:
+                self._drop(oid)
+            self._remove_unclaimed()
+        return problems
+
+    def _remove_unclaimed(self) -> None:
+        known = {e.id for e in self.entries()}
+        for path in (self.dir / "objects").glob("*/*"):
+            if path.name not in known and self.fetch_locks.try_acquire(path.name):
+                try:
+                    if self.entry_by_id(path.name) is None:
+                        path.unlink(missing_ok=True)
+                finally:
+                    self.fetch_locks.release(path.name)
+        self.storage.sweep(self.index.segment_sizes(), self.fetch_locks)
+
+    def read_verified(self, url: str, span: Span | None = None) -> bytes:
+        """The bytes of a cached entry after checking them against the index."""
+        entry = self.entry(url, span)
+        if entry is None:
+            raise CacheError(errno.ENOENT, f"{url} is not cached")
+        data = self.location_of(entry).read()
+        if len(data) != entry.size or checksum_bytes(data) != entry.checksum:
+            self.drop(url, span)
+            raise CacheCorruptError(
+                errno.EIO, f"cached copy of {url} is corrupt; it was dropped and will be refetched"
+            )
+        return data
+
+    def evict(self, *, to_bytes: int = 0) -> int:
+        """Evicts unused entries, least recently used first (a segment whole, as one), until
+        at most to_bytes remain on disk; returns how many entries were removed."""
+        removed = 0
+        with self.index.transaction() as db:
+            for kind, key, _ in self._lru_victims(db, ""):
+                if Index.total(db) <= to_bytes:
+                    break
+                if kind == "segment":
+                    assert isinstance(key, int)
+                    members = db.execute(
+                        "SELECT COUNT(*) FROM objects WHERE segment = ?", (key,)
+                    ).fetchone()[0]
+                    if self._remove_segment_if_unused(db, key):
+                        removed += members
+                else:
+                    assert isinstance(key, str)
+                    fd = self.storage.lock_unused(self.storage.object_path(key))
+                    if fd is None:
+                        continue
+                    try:
+                        self.storage.remove(self.storage.object_path(key))
+                        row = Index.row(db, key)
+                        if row is not None:
+                            self.index.remove(db, row)
+                            removed += 1
+                    finally:
+                        os.close(fd)
+        return removed
+
+    def clear(self) -> int:
+        """Removes every entry not in use, and the listings and format indexes derived from
+        the remote (they are rebuilt on next use); returns how many entries were removed."""
+        self.storage.seal()  # our own segment may go too
+        removed = self.evict(to_bytes=0)
+        for derived in ("manifests", "indexes"):
+            for path in (self.dir / derived).glob("*"):
+                if path.is_file():
+                    path.unlink(missing_ok=True)
+        return removed
+
+    def close(self) -> None:
+        """Writes buffered uses to the index, seals this process's segment and closes its
+        connections."""
+        with self._lock:
+            self.storage.seal()
+        self.index.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

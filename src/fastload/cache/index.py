@@ -1,0 +1,329 @@
+"""The cache's index: one SQLite database (WAL mode), the record of what is cached where.
+
+Tables:
+
+- ``objects``: one row per entry: a whole remote object, or a byte range of one (``start``
+  set; its id hashes the URL and the range). A row holds the entry's size, checksum,
+  remote version and last use, and where its bytes are: a file of their own (``segment``
+  NULL) or ``[position, position + size)`` of a segment file.
+- ``segments``: the segment files, each with its size on disk, dead bytes included.
+- ``totals``: the bytes on disk of everything recorded (own files plus whole segments),
+  kept by the same transactions that change the rows, so a budget check reads one row.
+
+A row is written only after its bytes are on disk, in the same transaction as the
+totals, so a crash leaves at worst bytes no row claims (``Cache.verify`` and the next
+open remove them), never a row without its bytes. Each process writes through one
+connection under a lock; each thread reads through its own (WAL: reads never wait for a
+write). Uses, which ``lru`` orders by, are buffered and written in batches.
+
+An index written before segments and ranges existed (``user_version`` 0) is upgraded in
+place on open: its rows keep their ids and files, so nothing cached is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastload.errors import CacheError
+
+FORMAT_VERSION = 2
+_RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
+_COLUMNS = "id, url, size, checksum, version, created, last_use, segment, position, start"
+
+_TABLES = """
+CREATE TABLE IF NOT EXISTS objects (
+    id TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    checksum TEXT NOT NULL,
+    version TEXT,
+    created REAL NOT NULL,
+    last_use REAL NOT NULL,
+    segment INTEGER,
+    position INTEGER NOT NULL DEFAULT 0,
+    start INTEGER
+);
+CREATE INDEX IF NOT EXISTS objects_by_last_use ON objects (last_use);
+CREATE TABLE IF NOT EXISTS segments (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: a stale reader cannot meet new bytes
+    size INTEGER NOT NULL,
+    live INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS totals (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+_AFTER_UPGRADE = (
+    "CREATE INDEX IF NOT EXISTS objects_by_segment ON objects (segment)",
+    "INSERT OR IGNORE INTO totals SELECT 'bytes',"
+    " (SELECT COALESCE(SUM(size), 0) FROM objects WHERE segment IS NULL)"
+    " + (SELECT COALESCE(SUM(size), 0) FROM segments)",
+)
+_ADDED_COLUMNS = {  # columns an index of format 0 lacks
+    "segment": "INTEGER",
+    "position": "INTEGER NOT NULL DEFAULT 0",
+    "start": "INTEGER",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A cached entry as the index records it."""
+
+    id: str
+    url: str
+    size: int
+    checksum: str
+    version: str | None
+    created: float
+    last_use: float
+    segment: int | None = None  # None: a file of its own
+    position: int = 0  # where the bytes start in the segment
+    start: int | None = None  # a byte range of the object at url, from here; None: all of it
+
+
+class Index:
+    """The index of the cache in ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "index.sqlite"
+        self.lock = threading.RLock()  # serializes this process's writes
+        self._db: sqlite3.Connection | None = None
+        self._db_pid = -1
+        self._readers = threading.local()
+        self._reader_dbs: list[tuple[int, threading.Thread, sqlite3.Connection]] = []
+        self._recent: dict[str, float] = {}  # uses not yet written
+        self.writer()  # create or upgrade the schema before any reader looks
+
+    # --- connections -------------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA busy_timeout=60000")
+        db.execute("PRAGMA journal_size_limit=4194304")  # the WAL counts against the budget
+        return db
+
+    def writer(self) -> sqlite3.Connection:
+        """The writing connection of this process (used under self.lock)."""
+        if self._db is None or self._db_pid != os.getpid():
+            db = self._connect()
+            db.executescript(_TABLES)
+            self._upgrade(db)
+            self._db, self._db_pid = db, os.getpid()
+        return self._db
+
+    @staticmethod
+    def _upgrade(db: sqlite3.Connection) -> None:
+        (version,) = db.execute("PRAGMA user_version").fetchone()
+        if version >= FORMAT_VERSION:
+            return
+        db.execute("BEGIN IMMEDIATE")  # one process upgrades; the others see it done
+        try:
+            have = {row[1] for row in db.execute("PRAGMA table_info(objects)")}
+            for name, kind in _ADDED_COLUMNS.items():
+                if name not in have:
+                    db.execute(f"ALTER TABLE objects ADD COLUMN {name} {kind}")
+            for statement in _AFTER_UPGRADE:
+                db.execute(statement)
+            db.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def reader(self) -> sqlite3.Connection:
+        """This thread's reading connection: lookups never queue behind a publish."""
+        readers = self._readers
+        if getattr(readers, "pid", None) != os.getpid():
+            readers.db, readers.pid = self._connect(), os.getpid()
+            with self.lock:
+                # Threads come and go (a loader starts new ones each epoch): close what the
+                # ended ones opened, or each would keep a file descriptor for good.
+                alive = []
+                for pid, thread, conn in self._reader_dbs:
+                    if pid == os.getpid() and not thread.is_alive():
+                        conn.close()
+                    else:
+                        alive.append((pid, thread, conn))
+                alive.append((os.getpid(), threading.current_thread(), readers.db))
+                self._reader_dbs = alive
+        db: sqlite3.Connection = readers.db
+        return db
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction, serialized across every process using the cache."""
+        with self.lock:
+            db = self.writer()
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                if "full" in str(exc):
+                    raise CacheError(
+                        errno.ENOSPC,
+                        f"no space left on the device holding {self.path}; free space or "
+                        "give the cache a max_bytes below the free space",
+                        str(self.path),
+                    ) from exc
+                raise CacheError(errno.EIO, f"cache index {self.path}: {exc}") from exc
+
+    def close(self) -> None:
+        if self._db_pid == os.getpid():
+            self.flush_uses()
+        with self.lock:
+            if self._db is not None and self._db_pid == os.getpid():
+                self._db.close()
+            self._db = None
+            for pid, _, db in self._reader_dbs:
+                if pid == os.getpid():  # a parent's connections are not ours to close
+                    db.close()
+            self._reader_dbs = []
+            self._readers = threading.local()
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def entry(self, oid: str) -> Entry | None:
+        row = (
+            self.reader().execute(f"SELECT {_COLUMNS} FROM objects WHERE id = ?", (oid,)).fetchone()
+        )
+        return Entry(*row) if row else None
+
+    def entries(self) -> list[Entry]:
+        rows = self.reader().execute(f"SELECT {_COLUMNS} FROM objects ORDER BY url, start")
+        return [Entry(*r) for r in rows.fetchall()]
+
+    def used_bytes(self) -> int:
+        row = self.reader().execute("SELECT value FROM totals WHERE name = 'bytes'").fetchone()
+        return int(row[0])
+
+    def file_bytes(self) -> int:
+        """The size of the index's own files (database, WAL and its shared memory)."""
+        total = 0
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(f"{self.path}{suffix}").st_size
+        return total
+
+    def segment_sizes(self) -> dict[int, int]:
+        return dict(self.reader().execute("SELECT id, size FROM segments").fetchall())
+
+    # --- writing (inside a transaction) ------------------------------------------------------
+
+    @staticmethod
+    def total(db: sqlite3.Connection) -> int:
+        (value,) = db.execute("SELECT value FROM totals WHERE name = 'bytes'").fetchone()
+        return int(value)
+
+    @staticmethod
+    def add_to_total(db: sqlite3.Connection, nbytes: int) -> None:
+        db.execute("UPDATE totals SET value = value + ? WHERE name = 'bytes'", (nbytes,))
+
+    @staticmethod
+    def row(db: sqlite3.Connection, oid: str) -> Entry | None:
+        found = db.execute(f"SELECT {_COLUMNS} FROM objects WHERE id = ?", (oid,)).fetchone()
+        return Entry(*found) if found else None
+
+    def add(self, db: sqlite3.Connection, entry: Entry) -> None:
+        """Records entry, replacing any row of its id (whose bytes the caller has dealt with)."""
+        old = self.row(db, entry.id)
+        if old is not None:
+            self.remove(db, old)
+        db.execute(
+            f"INSERT INTO objects ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                entry.id,
+                entry.url,
+                entry.size,
+                entry.checksum,
+                entry.version,
+                entry.created,
+                entry.last_use,
+                entry.segment,
+                entry.position,
+                entry.start,
+            ),
+        )
+        if entry.segment is None:
+            self.add_to_total(db, entry.size)
+        else:
+            db.execute(
+                "UPDATE segments SET live = live + ? WHERE id = ?", (entry.size, entry.segment)
+            )
+
+    def remove(self, db: sqlite3.Connection, entry: Entry) -> None:
+        """Forgets entry. An own file's bytes leave the total; a segment's stay counted (they
+        are on disk until the whole segment goes)."""
+        db.execute("DELETE FROM objects WHERE id = ?", (entry.id,))
+        if entry.segment is None:
+            self.add_to_total(db, -entry.size)
+        else:
+            db.execute(
+                "UPDATE segments SET live = live - ? WHERE id = ?", (entry.size, entry.segment)
+            )
+
+    @staticmethod
+    def new_segment(db: sqlite3.Connection) -> int:
+        cursor = db.execute("INSERT INTO segments (size, live) VALUES (0, 0)")
+        assert cursor.lastrowid is not None
+        return cursor.lastrowid
+
+    def grow_segment(self, db: sqlite3.Connection, segment: int, nbytes: int) -> None:
+        db.execute("UPDATE segments SET size = size + ? WHERE id = ?", (nbytes, segment))
+        self.add_to_total(db, nbytes)
+
+    def remove_segment(self, db: sqlite3.Connection, segment: int) -> None:
+        """Forgets a segment and every entry in it."""
+        found = db.execute("SELECT size FROM segments WHERE id = ?", (segment,)).fetchone()
+        db.execute("DELETE FROM objects WHERE segment = ?", (segment,))
+        db.execute("DELETE FROM segments WHERE id = ?", (segment,))
+        if found:
+            self.add_to_total(db, -int(found[0]))
+
+    @staticmethod
+    def segment_live(db: sqlite3.Connection, segment: int) -> int | None:
+        found = db.execute("SELECT live FROM segments WHERE id = ?", (segment,)).fetchone()
+        return None if found is None else int(found[0])
+
+    # --- uses --------------------------------------------------------------------------------
+
+    def note_use(self, oid: str) -> None:
+        """A use, buffered: writing the index on every read would cost more than the read."""
+        with self.lock:
+            self._recent[oid] = time.time()
+            full = len(self._recent) >= _RECENCY_FLUSH
+        if full:
+            self.flush_uses()
+
+    def note_uses(self, oids: Iterator[str] | list[str]) -> None:
+        now = time.time()
+        with self.lock:
+            self._recent.update((oid, now) for oid in oids)
+        self.flush_uses()
+
+    def flush_uses(self) -> None:
+        with self.lock:
+            if self._recent:
+                with self.transaction() as db:
+                    self.write_uses(db)
+
+    def write_uses(self, db: sqlite3.Connection) -> None:
+        """Writes the buffered uses inside the caller's transaction."""
+        with self.lock:
+            recent, self._recent = self._recent, {}
+        db.executemany(
+            "UPDATE objects SET last_use = ? WHERE id = ?", [(t, o) for o, t in recent.items()]
+        )
