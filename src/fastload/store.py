@@ -17,7 +17,7 @@ from typing import Any
 from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
-from fastload.remote import open_filesystem, public_url
+from fastload.remote import integrity_error, open_filesystem, public_url
 from fastload.stage import FetchConfig, Stager, StageResult
 
 
@@ -135,6 +135,40 @@ class CachedStore:
                 raise self.stager.failure(obj, result)
             if result.outcome == "skipped":
                 break  # the cache turned it away: read it from the remote
+        return self._read_remote(obj, offset, length)
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of key, cached as an entry of their own when the
+        whole object is not (a Parquet row group, a Zarr inner chunk, a range of a large
+        shard): the object is never downloaded whole, and the same range is local next time.
+        """
+        obj = self.object(key)
+        if offset < 0 or length < 0:
+            raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
+        if obj.size is not None:
+            length = max(0, min(length, obj.size - offset))
+        url = self.manifest.object_url(obj)
+        with self.cache.use(url, version=obj.version) as whole:
+            if whole is not None:
+                return whole.read(offset, length)
+        span = (offset, length)
+        for _ in range(3):  # a cached range can be evicted between publishing and reading
+            with self.cache.use(url, version=obj.version, span=span) as where:
+                if where is not None:
+                    return where.read()
+            lock = self.cache.fetch_lock(url, span)  # waits while another process fetches it
+            try:
+                if self.cache.lookup(url, version=obj.version, span=span) is not None:
+                    continue  # fetched by whoever held the lock
+                data = self._read_remote(obj, offset, length)
+                if len(data) != length:
+                    raise integrity_error(url, f"received {len(data)} bytes, expected {length}")
+                part = self.cache.new_part(url, span)
+                part.write(data)
+                self.cache.publish(part, version=obj.version)  # or turned away: still served
+                return data
+            finally:
+                lock.release()
         return self._read_remote(obj, offset, length)
 
     def read_many(self, requests: Iterable[tuple[str, int, int | None]]) -> list[bytes]:

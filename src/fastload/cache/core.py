@@ -368,12 +368,11 @@ class Cache:
                         if not self._make_room(db, item.oid, part.size):
                             part.discard()
                             continue
-                        self._forget(db, item.oid)  # a version being replaced
                         if part.in_memory:
                             packed.append(item)
                         else:
                             path = storage.place_file(part, item.oid)
-                            self._record(db, item, None, 0)
+                            self.index.add(db, [self._entry(item, None, 0)])
                             item.location = Location(path, 0, part.size)
                     except CacheError as exc:
                         part.discard()
@@ -387,8 +386,14 @@ class Cache:
                     )
                     for segment, grown in storage.take_growth():
                         self.index.grow_segment(db, segment, grown)
+                    self.index.add(
+                        db,
+                        [
+                            self._entry(item, segment, position)
+                            for item, (segment, position) in zip(packed, placed, strict=True)
+                        ],
+                    )
                     for item, (segment, position) in zip(packed, placed, strict=True):
-                        self._record(db, item, segment, position)
                         item.location = storage.location(
                             item.oid, segment, position, item.part.size
                         )
@@ -409,12 +414,11 @@ class Cache:
             for item in batch:
                 item.done = True
 
-    def _record(
-        self, db: sqlite3.Connection, item: _Publication, segment: int | None, position: int
-    ) -> None:
+    @staticmethod
+    def _entry(item: _Publication, segment: int | None, position: int) -> Entry:
         part, now = item.part, time.time()
         start = None if part.span is None else part.span[0]
-        entry = Entry(
+        return Entry(
             item.oid,
             printable(part.url),
             part.size,
@@ -426,13 +430,6 @@ class Cache:
             position,
             start,
         )
-        self.index.add(db, entry)
-
-    def _forget(self, db: sqlite3.Connection, oid: str) -> None:
-        """Drops the row (and an own file) of an entry about to be published again."""
-        old = Index.row(db, oid)
-        if old is not None:
-            self.index.remove(db, old)
 
     # --- eviction ----------------------------------------------------------------------------
 

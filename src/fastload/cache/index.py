@@ -23,12 +23,13 @@ place on open: its rows keep their ids and files, so nothing cached is lost.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,32 +238,28 @@ class Index:
         found = db.execute(f"SELECT {_COLUMNS} FROM objects WHERE id = ?", (oid,)).fetchone()
         return Entry(*found) if found else None
 
-    def add(self, db: sqlite3.Connection, entry: Entry) -> None:
-        """Records entry, replacing any row of its id (whose bytes the caller has dealt with)."""
-        old = self.row(db, entry.id)
-        if old is not None:
-            self.remove(db, old)
-        db.execute(
+    def add(self, db: sqlite3.Connection, entries: Sequence[Entry]) -> None:
+        """Records entries, replacing any rows of their ids (whose bytes the caller has dealt
+        with): a few statements per batch, not per entry."""
+        ids = [e.id for e in entries]
+        for i in range(0, len(ids), 500):  # SQLite's limit on bound parameters
+            chunk = ids[i : i + 500]
+            marks = ", ".join("?" * len(chunk))
+            old = db.execute(f"SELECT {_COLUMNS} FROM objects WHERE id IN ({marks})", chunk)
+            for row in old.fetchall():
+                self.remove(db, Entry(*row))
+        db.executemany(
             f"INSERT INTO objects ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                entry.id,
-                entry.url,
-                entry.size,
-                entry.checksum,
-                entry.version,
-                entry.created,
-                entry.last_use,
-                entry.segment,
-                entry.position,
-                entry.start,
-            ),
+            [dataclasses.astuple(e) for e in entries],
         )
-        if entry.segment is None:
-            self.add_to_total(db, entry.size)
-        else:
-            db.execute(
-                "UPDATE segments SET live = live + ? WHERE id = ?", (entry.size, entry.segment)
-            )
+        live: dict[int | None, int] = {}
+        for e in entries:
+            live[e.segment] = live.get(e.segment, 0) + e.size
+        for segment, nbytes in live.items():
+            if segment is None:
+                self.add_to_total(db, nbytes)
+            else:
+                db.execute("UPDATE segments SET live = live + ? WHERE id = ?", (nbytes, segment))
 
     def remove(self, db: sqlite3.Connection, entry: Entry) -> None:
         """Forgets entry. An own file's bytes leave the total; a segment's stay counted (they

@@ -105,7 +105,7 @@ class PartFile:
     """
 
     def __init__(
-        self, path: Path, url: str, span: tuple[int, int] | None = None, memory_limit: int = 0
+        self, path: str, url: str, span: tuple[int, int] | None = None, memory_limit: int = 0
     ) -> None:
         self.path = path
         self.url = url
@@ -179,7 +179,7 @@ class PartFile:
         self.chunks = None
         self.close(fsync=False)
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+            os.unlink(self.path)
 
 
 @dataclass
@@ -203,6 +203,7 @@ class Storage:
         self.segment_entry_max = min(ENTRY_IN_SEGMENT_MAX, self.segment_bytes // 16)
         self._objects = str(directory / "objects")
         self._segments = str(directory / "segments")
+        self._tmp = str(directory / "tmp")
         self._active: _Segment | None = None
         self._grown: list[tuple[int, int]] = []
         for sub in ("objects", "segments", "tmp"):
@@ -234,7 +235,7 @@ class Storage:
 
     def new_part(self, oid: str, url: str, span: tuple[int, int] | None, packs: bool) -> PartFile:
         memory_limit = self.segment_entry_max if packs else 0
-        return PartFile(self.dir / "tmp" / oid, url, span, memory_limit)
+        return PartFile(f"{self._tmp}/{oid}", url, span, memory_limit)
 
     def place_file(self, part: PartFile, oid: str) -> str:
         """Moves a part into its own file (os.replace: readers see all of it or nothing)."""
