@@ -22,6 +22,7 @@ import http
 import logging
 import random
 import re
+import ssl
 import time
 import urllib.parse
 import xml.etree.ElementTree as ElementTree
@@ -253,6 +254,18 @@ def classify(exc: BaseException, url: str, *, attempts: int | None = None) -> Re
     url = public_url(url)
     reason, status, code = describe(exc)
     for e in _chain(exc):
+        if _untrusted_certificate(e):
+            return _remote_error(
+                RemoteAccessError,
+                errno.EACCES,
+                f"the TLS certificate of {url} is not trusted ({scrub(str(e))[:120]}); trust "
+                "its certificate authority with storage_options={'client_kwargs': {'verify': "
+                "'/path/to/ca.pem'}} or $AWS_CA_BUNDLE",
+                url,
+                "TLS certificate not trusted",
+                None,
+                None,
+            )
         e_status = _status(e)
         name = type(e).__name__
         e_code = _code_and_message(e)[0]
@@ -477,6 +490,11 @@ def with_retries(fn: Callable[[], T], url: str, *, retries: int = 5, base_s: flo
                     error = classify(exc, url, attempts=attempt)
                 raise error from clean_cause(exc)
             time.sleep(backoff_s(attempt, base_s, 5.0))
+
+
+def _untrusted_certificate(e: BaseException) -> bool:
+    """A TLS handshake refused the server's certificate: retrying cannot help."""
+    return isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e)
 
 
 def integrity_error(url: str, what: str) -> RemoteIntegrityError:

@@ -25,6 +25,7 @@ import datetime
 import functools
 import os
 import re
+import ssl
 import threading
 from typing import Any, Protocol
 
@@ -247,6 +248,9 @@ def _translate(exc: BaseException, timeout_s: float) -> BaseException:
             return FileNotFoundError("not found")
         if "timed out" in text or "Timeout" in text:
             return TimeoutError(f"no complete answer within {timeout_s:g}s")
+        certificate = _CERTIFICATE.search(text)
+        if certificate is not None:  # rustls's words for a certificate nobody vouches for
+            return ssl.SSLCertVerificationError(f"certificate not trusted: {certificate.group(1)}")
         head = text.split(" - ", 1)[-1].split("\n", 1)[0]
         return ConnectionError(scrub(head)[:200])
     status = int(match.group(1))
@@ -257,6 +261,7 @@ def _translate(exc: BaseException, timeout_s: float) -> BaseException:
     return error
 
 
+_CERTIFICATE = re.compile(r"InvalidCertificate\((\w+)")
 _REGION_CODES = {"AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
 
 
