@@ -76,8 +76,8 @@ class RemoteBehavior:
     unlimited.
     ``slowdown_every_s`` / ``slowdown_for_s``: every ``slowdown_every_s`` seconds, counted
     from the first request after the behavior was set, every request for
-    ``slowdown_for_s`` seconds is answered ``503 SlowDown`` (S3's "reduce your request
-    rate"), as a prefix over its request rate is; they count as injected faults.
+    ``slowdown_for_s`` seconds is answered ``503 SlowDown``, as S3 answers a prefix over
+    its request rate (so the first request meets a burst); they count as injected faults.
     """
 
     latency_s: float = 0.0

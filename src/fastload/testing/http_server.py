@@ -171,7 +171,8 @@ class ControlledHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
         return True
 
     def handle_one_request(self) -> None:
@@ -393,10 +394,11 @@ class LoopbackServer(RemoteControls):
         self._close_lock = threading.Lock()
         self._closed = False
         self._certificate: LoopbackCertificate | None = None
-        self._server = TrackedHTTPServer(("127.0.0.1", 0), handler)
-        self._server.controls = self
         if tls:
             self._certificate = LoopbackCertificate(tempfile.mkdtemp(prefix="fastload-tls-"))
+        self._server = TrackedHTTPServer(("127.0.0.1", 0), handler)
+        self._server.controls = self
+        if self._certificate is not None:
             self._server.ssl_context = self._certificate.server_context()
         self._thread = threading.Thread(
             target=self._server.serve_forever,
