@@ -71,6 +71,7 @@ class RunSpec:
     size: int
     seed: int
     resume: bool
+    step: str = "sleep"  # the training step: sleep, or gil (runner.TrainingStep)
     samples: int | None = None  # known size of the dataset (None: the system finds out)
     labels: dict[str, int] = field(default_factory=dict)  # class folder -> index
 

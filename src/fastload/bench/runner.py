@@ -94,6 +94,107 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
+STEP_KINDS = ("sleep", "gil")
+STEP_NAMES = {"sleep": "sleeping step", "gil": "GIL-holding step"}
+
+
+def busy_loop(iterations: int) -> int:
+    """Small pure-Python arithmetic, ``iterations`` times: it holds the GIL throughout, as a
+    real training step's kernel dispatch, optimizer and logging do, giving it up only when
+    the interpreter's switch interval forces a hand-off to a thread that asks for it."""
+    total = 0
+    for i in range(iterations):
+        total += i & 7
+    return total
+
+
+def busy_rate(*, seconds: float = 0.05, repeats: int = 5) -> float:
+    """Iterations per second of :func:`busy_loop` alone, here and now: the median of
+    ``repeats`` timings of about ``seconds`` each (the median, not the best: on a shared
+    machine it is the rate a step meets, not one it is lucky to meet)."""
+    chunk = 10_000
+    start = time.perf_counter()
+    busy_loop(chunk)  # also warms the loop up
+    chunk = max(chunk, round(chunk * seconds / max(time.perf_counter() - start, 1e-9)))
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        busy_loop(chunk)
+        rates.append(chunk / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+class TrainingStep:
+    """The simulated training step a benchmark runs after each batch.
+
+    ``sleep``: ``time.sleep(seconds)``, the GIL free, as a step waiting on its GPU kernels.
+    ``gil``: :func:`busy_loop` for as many iterations as take ``seconds`` alone (measured on
+    construction, before any loader runs, or given), so the same work every time: a loader
+    whose threads take the GIL (or, on few cores, whose processes take the core) makes it
+    take longer, which :func:`step_lost` turns into the share of the step's time it lost.
+    ``spent_s`` and ``calls`` count what the step took.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        seconds: float,
+        *,
+        iterations: int | None = None,
+        alone_rate: float | None = None,
+    ) -> None:
+        if kind not in STEP_KINDS:
+            raise ValueError(f"step must be one of {STEP_KINDS}, got {kind!r}")
+        if seconds < 0:
+            raise ValueError(f"the step's seconds must be >= 0, got {seconds}")
+        self.kind, self.seconds = kind, seconds
+        self.alone_rate = alone_rate
+        self.iterations = 0
+        if kind == "gil":
+            if self.alone_rate is None:
+                self.alone_rate = busy_rate()
+            self.iterations = (
+                iterations if iterations is not None else round(self.alone_rate * seconds)
+            )
+        self.spent_s = 0.0
+        self.calls = 0
+
+    @property
+    def alone_s(self) -> float:
+        """What one step takes when nothing else runs."""
+        if self.kind == "gil" and self.alone_rate:
+            return self.iterations / self.alone_rate
+        return self.seconds
+
+    def __call__(self) -> None:
+        start = time.perf_counter()
+        if self.kind == "gil":
+            busy_loop(self.iterations)
+        else:
+            time.sleep(self.seconds)
+        self.spent_s += time.perf_counter() - start
+        self.calls += 1
+
+    def record(self) -> dict[str, Any]:
+        """The step as a JSON-able dict (what it was, how long it takes alone)."""
+        return {
+            "kind": self.kind,
+            "seconds": self.seconds,
+            "iterations": self.iterations,
+            "alone_rate": self.alone_rate,
+            "alone_s": self.alone_s,
+        }
+
+
+def step_lost(alone_s: float, calls: int, spent_s: float) -> float | None:
+    """The share of ``calls`` steps' wall time (``spent_s``) taken from them: by a loader's
+    threads holding the GIL, or, on few cores, by its threads and processes holding the
+    core; 1 - what they take alone over what they took. None where nothing was measured."""
+    if calls <= 0 or spent_s <= 0 or alone_s <= 0:
+        return None
+    return 1 - alone_s * calls / spent_s
+
+
 def time_median(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> list[float]:
     """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
