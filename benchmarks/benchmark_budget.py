@@ -1,6 +1,6 @@
 """A dataset twice the cache's budget from a 20 ms remote: steady epochs against all cached (P13).
 
-Command (full size: 2,000 JPEGs of ~105 KB, 3 epochs, the first untimed)::
+Command (full size: 2,000 JPEGs of ~105 KB, 4 epochs, the first untimed)::
 
     .venv/bin/python benchmarks/benchmark_budget.py --out fastload-bench
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from conftest import Remote
+from test_loader import served as serve_source
+from test_loader import write_source
 
 import fastload as fl
 from fastload.datasets.base import ShardedDataset
@@ -158,6 +160,27 @@ def test_with_a_staging_process_this_process_fetches_what_the_cache_turned_away(
     gets = {k: served.gets(k) - before[k] for k in served.files}
     assert gets == {k: 1 if k in held else 0 for k in served.files}
     assert stats["counts"]["stage_held"] == stats["counts"]["held_reads"] == len(held)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_tar_shards_the_cache_turns_away_give_the_all_cached_batches(
+    tmp_path: Path, num_workers: int
+) -> None:
+    """Shards are held whole where a round reads at least half of their samples, else read
+    as ranges from the remote: the samples are the same either way."""
+    source = write_source(tmp_path / "src")
+    budget = sum(p.stat().st_size for p in (source.root / "tars").iterdir()) // 2
+    with serve_source("http", source) as where:
+
+        def samples(cache: Path, **options: Any) -> list[bytes]:
+            dataset = where.open("tars", cache, **options)
+            with fl.DataLoader(
+                dataset, batch_size=4, shuffle=True, collate_fn=list, num_workers=num_workers
+            ) as loader:
+                return [bytes(s["jpg"]) for _ in range(2) for batch in loader for s in batch]
+
+        expected = samples(tmp_path / "all")
+        assert samples(tmp_path / "pin", max_bytes=budget, policy="pin") == expected
 
 
 # --- failures, as without holding ----------------------------------------------------------

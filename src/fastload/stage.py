@@ -163,7 +163,7 @@ class Holding:
         with self._lock:
             held = self._held.get(key)
             if held is not None:
-                held.reads += max(1, reads)
+                held.reads += reads
             return held is not None
 
     def take(self, key: str, reads: int = 1) -> memoryview | None:
@@ -302,7 +302,7 @@ class Stager:
         ``here`` stages in this process even where a staging process would: for an object
         a reader is waiting for, which must not queue behind a round of staging ahead.
         With ``hold``, what the cache turns away is fetched all the same and held there
-        for ``reads[i]`` reads (1 each by default): outcome "held".
+        for ``reads[i]`` reads (1 each by default; 0: not held): outcome "held".
         """
         if not objects:
             return []
@@ -549,6 +549,11 @@ class _Round:
     def _reads(self, i: int) -> int:
         return 1 if self.reads is None else self.reads[i]
 
+    def _holds(self, i: int, size: int = 0) -> bool:
+        """Whether i, of size bytes, goes to the holding area if the cache turns it away
+        (not with 0 reads, nor if larger than the area)."""
+        return self.hold is not None and self._reads(i) > 0 and self.hold.fits(size)
+
     def _held(self, i: int) -> bool:
         """Whether i is in the holding area already (its reads are added)."""
         if self.hold is None or not self.hold.expect(self.objects[i].key, self._reads(i)):
@@ -571,7 +576,7 @@ class _Round:
         if self._cached(i) or self._held(i):
             self._release(i)
         elif obj.size is not None and not self.cache.would_admit(self.urls[i], obj.size):
-            if self.hold is not None and self.hold.fits(obj.size):
+            if self._holds(i, obj.size):
                 self.holding.add(i)  # fetched all the same, its lock kept until it is held
                 self.in_flight += 1
                 self.work.put(i)
@@ -634,7 +639,7 @@ class _Round:
         fetched = {item.index: item for item in batch}
         for (i, part, _), path in zip(parts, published, strict=True):
             item = fetched[i]
-            if path is None and self.hold is not None:  # turned away at publication
+            if path is None and self._holds(i):  # turned away at publication
                 self._keep(i, item.data, item.attempts)  # type: ignore[arg-type]
                 continue
             outcome: Outcome = "fetched" if path is not None else "skipped"

@@ -95,20 +95,38 @@ class BatchBuilder:
     def stage(self, batches: Sequence[Any]) -> None:
         ds = self.dataset
         reads: dict[str, int] = {}  # samples of these batches reading each object
+        samples: dict[str, int] = {}  # samples of the shard of each object
         for batch in batches:
             for index in batch if self.batched else [batch]:
-                for key in ds.shard_keys[ds.shard_of(int(index))]:
+                shard = ds.shard_of(int(index))
+                for key in ds.shard_keys[shard]:
                     if key not in self._staged:
                         reads[key] = reads.get(key, 0) + 1
+                        samples[key] = ds.shard_sizes[shard]
         if not reads:
             return
-        results = ds.store.stage(list(reads), list(reads.values()))
+        results = ds.store.stage(list(reads), self._hold_reads(reads, samples))
         for key, result in zip(reads, results, strict=True):
             if result.outcome != "held":  # a held one is staged again for its later reads
                 self._staged[key] = None
         while len(self._staged) > 65536:  # forget the oldest: only a repeat filter
             del self._staged[next(iter(self._staged))]
         self._record(results)
+
+    def _hold_reads(self, reads: dict[str, int], samples: dict[str, int]) -> list[int]:
+        """The reads to stage each object with: its reads where they are at least half its
+        shard's samples, so that fetching it whole into memory pays if the cache turns it
+        away; else 0: not fetched into memory (a few samples of a large tar shard are read
+        as ranges from the remote), though a copy held for other batches serves them."""
+        holding = self.dataset.store.holding
+        out = []
+        for key, n in reads.items():
+            if 2 * n >= samples[key]:
+                out.append(n)
+            else:
+                holding.expect(key, n)
+                out.append(0)
+        return out
 
     def _record(self, results: Sequence[StageResult]) -> None:
         # "cached" is not counted: it may mean another thread of this loader just fetched it.
@@ -187,20 +205,24 @@ class BatchBuilder:
         ds = self.dataset
         store = ds.store
         ranges: list[list[Range] | None] = [ds.sample_ranges(i) for i in indices]
+        shards = [ds.shard_of(i) for i in indices]
         paths: dict[str, str | None] = {}
         reads: dict[str, int] = {}  # samples of this batch reading each object
-        for rs in ranges:
+        shard_samples: dict[str, int] = {}  # samples of the shard of each object
+        for rs, shard in zip(ranges, shards, strict=True):
             for key in {key for key, _, _ in rs or ()}:
                 if key not in paths:
                     paths[key] = self._local_path(key)
+                    shard_samples[key] = ds.shard_sizes[shard]
                 reads[key] = reads.get(key, 0) + 1
-        self._note_needed(ds.shard_keys[ds.shard_of(i)] for i in indices)
+        self._note_needed(ds.shard_keys[s] for s in shards)
         held: dict[str, memoryview] = {}
         missing = [
             key for key, path in paths.items() if path is None and not self._take(key, reads, held)
         ]
         if missing:  # not staged ahead (yet): fetch this batch's objects together
-            self._record(store.stage(missing, [reads[key] for key in missing]))
+            wanted = {key: reads[key] for key in missing}
+            self._record(store.stage(missing, self._hold_reads(wanted, shard_samples)))
             for key in missing:
                 paths[key] = self._local_path(key)
                 if paths[key] is None:
