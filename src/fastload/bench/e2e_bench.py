@@ -72,12 +72,14 @@ once with one that holds the GIL (a pure-Python loop of as many iterations as ta
 dispatch, optimizer and logging). A loader working in the training process (threads, or
 its event loop) then takes turns with the step; one working in other processes does not,
 but on 2 cores the busy step also takes a core from it. ``step lost`` is the share of the
-step's wall time the system took from it (1 - its time alone over its time in the epoch):
-the GIL and, on few cores, the CPU; the report also gives each system's rates with the
-GIL-holding step over its own with the sleeping one. ``--quick`` runs the sleeping step
-only (the GIL-holding one doubles the runs); ``--step-holds-gil`` adds it there, and
-``--no-step-holds-gil`` leaves it out of the full run. Resume latency (a run without a
-step) is measured in the first step's run only.
+step's wall time in which it could not run (its wall time less its thread's CPU time: its
+rate against its own rate alone; for the sleeping step, the time past its sleep, getting
+the GIL back): what the system took from it, the GIL and, on few cores, the CPU. The
+report also gives each system's rates with the GIL-holding step over its own with the
+sleeping one. ``--quick`` runs the sleeping step only (the GIL-holding one doubles the
+runs); ``--step-holds-gil`` adds it there, ``--no-step-holds-gil`` leaves it out of the
+full run. Resume latency (a run without a step) is measured in the first step's run only.
+
 :mod:`fastload.bench.e2e_report` makes the table, the JSON and the chart.
 
 Command (full size: 3,000 images, 3 epochs, 20 ms latency, 100 MB/s per connection,

@@ -88,9 +88,10 @@ def _epoch(
     """Iterate as training does: wait for a batch, then the simulated ``step``. An epoch
     past ``budget_s`` (None: no budget) stops after its current batch. ``"ids"`` holds
     what the batches identified their samples by (None where they gave counts);
-    ``"step_s"`` what the steps took (more than alone where the loader took from them)."""
+    ``"step_s"`` what the steps took, ``"step_waited_s"`` the part of it in which they
+    could not run (the loader had the GIL or the core)."""
     batches = loader.batches(epoch)
-    stepped = step.spent_s
+    stepped, waited = step.spent_s, step.waited_s
     tally = _Tally()
     count = 0
     wait_s = 0.0
@@ -121,6 +122,7 @@ def _epoch(
         "batches": count,
         "wait_s": wait_s,
         "step_s": step.spent_s - stepped,
+        "step_waited_s": step.waited_s - waited,
         "first_batch_s": first,
         "partial": partial,
         "ids": tally.ids,

@@ -129,11 +129,9 @@ def figures(run: Run) -> dict[str, Any]:
         seconds = sum(e["seconds"] for e in es)
         return sum(e["wait_s"] for e in es) / seconds if es and seconds > 0 else None
 
-    alone_s = r.get("step", {}).get("alone_s", 0.0)
-
     def lost(es: list[dict[str, Any]]) -> float | None:
-        batches = sum(e.get("batches", 0) for e in es)
-        return step_lost(alone_s, batches, sum(e.get("step_s", 0.0) for e in es))
+        waited = sum(e.get("step_waited_s", 0.0) for e in es)
+        return step_lost(waited, sum(e.get("step_s", 0.0) for e in es))
 
     prep = run.prep_s
     return {
@@ -297,21 +295,28 @@ def gil_vs_sleep(runs: Sequence[Run]) -> list[dict[str, Any]]:
 
 
 def gil_lines(report: Report) -> list[str]:
-    """A line per system run with both steps: what holding the GIL in the step cost it."""
-    lines = []
-    for e in report.params.get("gil_vs_sleep", []):
+    """A line per system run with both steps: what holding the GIL in the step cost it,
+    under a line saying what that includes on this machine's cores."""
+    entries = report.params.get("gil_vs_sleep", [])
+    cores = report.machine.get("usable_cores") or report.machine.get("cores")
+    lines = [
+        f"With the GIL-holding step (on {cores or '?'} cores the busy step keeps one busy: "
+        "what a loader took from it is the GIL its threads held and the CPU its threads "
+        "and processes used):"
+    ]
+    for e in entries:
         where = LAYOUT_NAMES.get(e["layout"], e["layout"])
         parts = [
             f"{label} {e[key]:.2f}x"
             for key, label in (("warm_samples_per_s", "warm"), ("cold_samples_per_s", "cold"))
             if e.get(key)
         ]
-        text = f"{e['system']} ({where}) with the GIL-holding step: " + ", ".join(parts)
+        text = f"  {e['system']} ({where}): " + ", ".join(parts)
         text += " its rate with the sleeping step"
         if e.get("step_lost_warm") is not None:
             text += f"; it took {100 * e['step_lost_warm']:.0f}% of the step's time (warm)"
         lines.append(text)
-    return lines
+    return lines if entries else []
 
 
 def ratio_lines(report: Report) -> list[str]:
@@ -482,7 +487,7 @@ def _details(r: Run) -> dict[str, Any]:
     return {
         "epochs": r.result.get("epochs", []),
         "open_s": r.result.get("open_s"),
-        "training_step": r.result.get("step"),  # its kind, its work, its time alone
+        "training_step": r.result.get("step"),  # its kind, its work, its rate alone
         "delivers": r.result.get("delivers"),
         "resume": {k: v for k, v in r.result.items() if k.startswith("resume")},
         "marks": r.marks,

@@ -39,10 +39,11 @@ as many iterations as took ``step_ms`` alone in the parent, ``runner.TrainingSte
 * with the GIL-holding step, beside those of the step above: ``gil_samples_per_s``,
   ``gil_ratio`` (that over the reference's, with the same step), ``gil_vs_step`` (that over
   the system's own rate with the step above: what holding the GIL in the step costs it),
-  ``gil_wait_frac``, and ``gil_step_lost``: the share of the step's wall time the loader
-  took from it (1 - its time alone over its time in the epochs): threads in the training
-  process take the GIL from it; worker processes do not, but on 2 cores the busy step
-  also needs a core, so they take that instead (both count: this is what the step lost).
+  ``gil_wait_frac``, and ``gil_step_lost``: the share of the step's wall time in which it
+  could not run (its wall time less its thread's CPU time: its rate against its own rate
+  alone), i.e. what the loader took from it: threads in the training process take the
+  GIL; worker processes do not, but on 2 cores the busy step also needs a core, so they
+  take that instead (both count: this is what the step lost).
 * ``peak_rss_mb`` and ``peak_pss_mb``: the largest resident (RSS) and proportional (PSS:
   shared pages split between the processes sharing them) memory of the whole process
   tree (the training process plus its DataLoader workers), sampled every
@@ -361,7 +362,7 @@ def _training_step(config: LoaderBenchConfig, matmuls: int) -> Callable[[], None
     """The simulated step: a sleep, or ``matmuls`` matmuls (the cores, as a CPU step uses)."""
     seconds = config.step_ms / 1000
     if config.step == "sleep":
-        return lambda: time.sleep(seconds)
+        return TrainingStep("sleep", seconds)
     a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE)
 
     def step() -> None:
@@ -467,6 +468,7 @@ class SystemRun:
                 raise ValueError("a GIL-holding step was asked for, but none was calibrated")
             step = self.gil_step
         samples, stepping, waiting, first_s, end_s = 0, 0.0, 0.0, 0.0, 0.0
+        waited_before = getattr(step, "waited_s", 0.0)  # a TrainingStep's time not running
         self.memory.begin()
         cpu_before = cpu_seconds(process_tree(os.getpid()))
         start = time.perf_counter()
@@ -497,6 +499,7 @@ class SystemRun:
         return {
             "seconds": seconds,
             "step_s": stepping,
+            "step_waited_s": getattr(step, "waited_s", 0.0) - waited_before,
             "samples": samples,
             "batches_s": waiting,  # inside next() for a batch
             # CPU seconds of the process tree (workers too), sleeping steps cost none
@@ -678,9 +681,11 @@ def _case_title(case: str, config: LoaderBenchConfig) -> str:
     return f"{_CASE_TITLES[case]} ({detail})"
 
 
-def _with_step(epochs: list[dict[str, Any]], batch_size: int) -> dict[str, float]:
+def _with_step(epochs: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
     """What epochs with a step after each batch show: samples/s, the share of the time
-    the loop waited outside the step, and the step as measured (seconds per batch)."""
+    the loop waited outside the step, the step as measured (seconds per batch), and the
+    share of the step's time in which it could not run (``runner.step_lost``; None for
+    a step that does not count it)."""
     wall = sum(e["seconds"] for e in epochs)
     stepping = sum(e["step_s"] for e in epochs)
     batches = sum(-(-e["samples"] // batch_size) for e in epochs)
@@ -688,12 +693,12 @@ def _with_step(epochs: list[dict[str, Any]], batch_size: int) -> dict[str, float
         "samples_per_s": sum(e["samples"] for e in epochs) / wall if wall > 0 else 0.0,
         "wait_frac": 1 - stepping / wall if wall > 0 else 0.0,
         "step_s": stepping / batches if batches else 0.0,
-        "batches": batches,
+        "step_lost": step_lost(sum(e.get("step_waited_s", 0.0) for e in epochs), stepping),
     }
 
 
 def _gil_figures(
-    result: dict[str, Any], step: dict[str, float], reference_gil: float | None, alone_s: float
+    result: dict[str, Any], step: dict[str, Any], reference_gil: float | None
 ) -> dict[str, float]:
     """The GIL-holding step's figures of one system, beside those of its configured step."""
     gil = _with_step(result["gil_epochs"], result["batch_size"])
@@ -704,9 +709,8 @@ def _gil_figures(
     }
     if reference_gil:
         extra["gil_ratio"] = round(gil["samples_per_s"] / reference_gil, 3)
-    lost = step_lost(alone_s, int(gil["batches"]), gil["step_s"] * gil["batches"])
-    if lost is not None:
-        extra["gil_step_lost"] = round(lost, 4) + 0.0  # no "-0"
+    if gil["step_lost"] is not None:
+        extra["gil_step_lost"] = round(gil["step_lost"], 4)
     return extra
 
 
@@ -716,7 +720,6 @@ def _row(
     system: str,
     result: dict[str, Any],
     nbytes: int,
-    gil_alone_s: float,
     reference_gil: float | None,
 ) -> Measurement:
     step_epochs, plain = result["epochs"], result["plain"]
@@ -728,8 +731,10 @@ def _row(
         extra["stats_wait_frac"] = round(float(fl_stats["wait_fraction"]), 4)
     extra["step_ms"] = round(step["step_s"] * 1000, 2)  # the step as measured, per batch
     extra["step_samples_per_s"] = round(step["samples_per_s"], 1)
+    if step["step_lost"] is not None:  # the sleeping step: time past its sleep
+        extra["step_lost"] = round(step["step_lost"], 4)
     if result["gil_epochs"]:
-        extra.update(_gil_figures(result, step, reference_gil, gil_alone_s))
+        extra.update(_gil_figures(result, step, reference_gil))
     extra["peak_rss_mb"] = round(result["peak_rss"] / MB)
     extra["peak_pss_mb"] = round(result["peak_pss"] / MB)
     peaks = [e["peak_rss"] for e in step_epochs]
@@ -761,11 +766,9 @@ def run(data_dir: str | os.PathLike[str], config: LoaderBenchConfig | None = Non
     data = _prepare(Path(data_dir), config)
     if config.step == "matmul":
         data["matmuls"] = matmuls_for(config.step_ms)
-    gil_alone_s = 0.0
     if config.step_holds_gil:
         gil_step = TrainingStep("gil", config.step_ms / 1000)  # its rate alone, before any system
         data.update(gil_iterations=gil_step.iterations, gil_rate=gil_step.alone_rate)
-        gil_alone_s = gil_step.alone_s
     report = Report(name="loader", params={**asdict(config), "data_dir": str(data_dir)})
     # Per case and system, everything its process answered: each epoch's timings, edges,
     # peak RSS and the machine's load, and for fastload its stats() after every epoch.
@@ -782,7 +785,7 @@ def run(data_dir: str | os.PathLike[str], config: LoaderBenchConfig | None = Non
         if reference["gil_epochs"]:
             reference_gil = _with_step(reference["gil_epochs"], config.batch_size)["samples_per_s"]
         measured = [
-            _row(case, title, system, result, data["nbytes"][case], gil_alone_s, reference_gil)
+            _row(case, title, system, result, data["nbytes"][case], reference_gil)
             for system, result in results.items()
         ]
         rows += relate(measured, SYSTEMS[case][0])

@@ -128,11 +128,16 @@ class TrainingStep:
     """The simulated training step a benchmark runs after each batch.
 
     ``sleep``: ``time.sleep(seconds)``, the GIL free, as a step waiting on its GPU kernels.
-    ``gil``: :func:`busy_loop` for as many iterations as take ``seconds`` alone (measured on
-    construction, before any loader runs, or given), so the same work every time: a loader
-    whose threads take the GIL (or, on few cores, whose processes take the core) makes it
-    take longer, which :func:`step_lost` turns into the share of the step's time it lost.
-    ``spent_s`` and ``calls`` count what the step took.
+    ``gil``: :func:`busy_loop` for as many iterations as take ``seconds`` alone (its rate
+    measured on construction, before any loader runs, or given), so the same work each
+    time, holding the GIL as a real step's Python does.
+
+    ``spent_s`` counts the steps' wall time and ``waited_s`` the part of it in which the
+    step could not run: for the busy step, its wall time minus its thread's CPU time (the
+    GIL held by a loader's thread, or, on few cores, the core taken by a loader's threads
+    or processes), i.e. its rate against its own rate running alone, measured in the same
+    calls and so immune to the machine's drift; for the sleeping step, the time past its
+    sleep (getting the GIL back). :func:`step_lost` makes a share of it.
     """
 
     def __init__(
@@ -157,42 +162,36 @@ class TrainingStep:
                 iterations if iterations is not None else round(self.alone_rate * seconds)
             )
         self.spent_s = 0.0
+        self.waited_s = 0.0
         self.calls = 0
 
-    @property
-    def alone_s(self) -> float:
-        """What one step takes when nothing else runs."""
-        if self.kind == "gil" and self.alone_rate:
-            return self.iterations / self.alone_rate
-        return self.seconds
-
     def __call__(self) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         if self.kind == "gil":
             busy_loop(self.iterations)
         else:
             time.sleep(self.seconds)
-        self.spent_s += time.perf_counter() - start
+        wall = time.perf_counter() - start
+        ran = time.thread_time() - cpu if self.kind == "gil" else self.seconds
+        self.spent_s += wall
+        self.waited_s += max(0.0, wall - ran)
         self.calls += 1
 
     def record(self) -> dict[str, Any]:
-        """The step as a JSON-able dict (what it was, how long it takes alone)."""
+        """The step as a JSON-able dict: what it was, and its work's rate alone."""
         return {
             "kind": self.kind,
             "seconds": self.seconds,
             "iterations": self.iterations,
             "alone_rate": self.alone_rate,
-            "alone_s": self.alone_s,
         }
 
 
-def step_lost(alone_s: float, calls: int, spent_s: float) -> float | None:
-    """The share of ``calls`` steps' wall time (``spent_s``) taken from them: by a loader's
-    threads holding the GIL, or, on few cores, by its threads and processes holding the
-    core; 1 - what they take alone over what they took. None where nothing was measured."""
-    if calls <= 0 or spent_s <= 0 or alone_s <= 0:
-        return None
-    return 1 - alone_s * calls / spent_s
+def step_lost(waited_s: float, spent_s: float) -> float | None:
+    """The share of the steps' wall time (``spent_s``) in which they could not run
+    (``waited_s``, :class:`TrainingStep`): what a loader took from the training step. None
+    where no step ran."""
+    return waited_s / spent_s if spent_s > 0 else None
 
 
 def time_median(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> list[float]:
