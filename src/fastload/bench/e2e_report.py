@@ -300,23 +300,26 @@ def gil_lines(report: Report) -> list[str]:
     entries = report.params.get("gil_vs_sleep", [])
     cores = report.machine.get("usable_cores") or report.machine.get("cores")
     lines = [
-        f"With the GIL-holding step (on {cores or '?'} cores the busy step keeps one busy: "
-        "what a loader took from it is the GIL its threads held and the CPU its threads "
-        "and processes used):"
+        f"With the GIL-holding step, each system's rates over its own with the sleeping step "
+        f"(on {cores or '?'} cores the busy step keeps one busy, so what a system took from "
+        "it is the GIL its threads held and the CPU its threads and processes used):"
     ]
     for e in entries:
-        where = LAYOUT_NAMES.get(e["layout"], e["layout"])
-        parts = [
-            f"{label} {e[key]:.2f}x"
-            for key, label in (("warm_samples_per_s", "warm"), ("cold_samples_per_s", "cold"))
-            if e.get(key)
-        ]
-        text = f"  {e['system']} ({where}): " + ", ".join(parts)
-        text += " its rate with the sleeping step"
+        text = f"  {e['system']} ({LAYOUT_NAMES.get(e['layout'], e['layout'])}): "
+        text += ", ".join(_rate_ratios(e))
         if e.get("step_lost_warm") is not None:
             text += f"; it took {100 * e['step_lost_warm']:.0f}% of the step's time (warm)"
         lines.append(text)
     return lines if entries else []
+
+
+def _rate_ratios(entry: dict[str, Any]) -> list[str]:
+    """'warm 1.20x', 'cold 0.90x' from a ratio entry, where it has them."""
+    return [
+        f"{label} {entry[key]:.2f}x"
+        for key, label in (("warm_samples_per_s", "warm"), ("cold_samples_per_s", "cold"))
+        if entry.get(key)
+    ]
 
 
 def ratio_lines(report: Report) -> list[str]:
@@ -328,11 +331,7 @@ def ratio_lines(report: Report) -> list[str]:
             where += f" vs fastload on {e['fastload_layout']}"
         if e.get("step", "sleep") != "sleep":
             where += f", {STEP_NAMES.get(e['step'], e['step'])}"
-        parts = [
-            f"{label} {e[key]:.2f}x"
-            for key, label in (("warm_samples_per_s", "warm"), ("cold_samples_per_s", "cold"))
-            if e.get(key)
-        ]
+        parts = _rate_ratios(e)
         if e.get("first_batch_speedup"):
             parts.append(f"first batch {e['first_batch_speedup']:.1f}x sooner")
         lines.append(f"fastload vs {e['peer']} ({where}): " + ", ".join(parts))
