@@ -495,20 +495,16 @@ class _Round:
         self.locks: dict[int, FetchLock] = {}
         self.todo: collections.deque[int] = collections.deque(range(len(objects)))
         self.waiting: dict[int, float] = {}  # locked by another process: index -> deadline
-        self.work: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self.done: queue.SimpleQueue[_Fetched] = queue.SimpleQueue()
         self.stop = threading.Event()
         self.in_flight = 0
 
     def run(self) -> list[StageResult]:
         stager = self.stager
-        transport = stager.transport
-        throttle = _throttle_for(transport, stager.config)
-        getters = min(stager.config.jobs, len(self.objects))
-        for _ in range(getters):  # daemons: a process that exits mid-round must not wait
-            threading.Thread(
-                target=self._getter, args=(transport, throttle), daemon=True, name="fastload-get"
-            ).start()
+        self.transport = stager.transport
+        self.throttle = _throttle_for(self.transport, stager.config)
+        self.getters = _getters()
+        self.getters.grow(min(stager.config.jobs, len(self.objects)))
         ahead = 2 * stager.config.jobs  # objects locked and queued or in flight at most
         delay = 0.002
         try:
@@ -528,9 +524,7 @@ class _Round:
                 if self.waiting:
                     self._retry_waiting()
         finally:
-            self.stop.set()
-            for _ in range(getters):
-                self.work.put(None)
+            self.stop.set()  # what is still queued for the GET threads is dropped
             for lock in self.locks.values():
                 lock.release()
         return [r for r in self.results if r is not None]
@@ -579,13 +573,13 @@ class _Round:
             if self._holds(i, obj.size):
                 self.holding.add(i)  # fetched all the same, its lock kept until it is held
                 self.in_flight += 1
-                self.work.put(i)
+                self.getters.tasks.put((self, i))
                 return
             self._release(i)
             self._record(i, StageResult(self.urls[i], "skipped", 0, error="over the cache budget"))
         else:
             self.in_flight += 1
-            self.work.put(i)
+            self.getters.tasks.put((self, i))
 
     def _retry_waiting(self) -> None:
         now = time.monotonic()
@@ -659,16 +653,48 @@ class _Round:
             error = "over the cache budget and the holding area's"
             self._record(i, StageResult(self.urls[i], "skipped", 0, attempts, error))
 
-    def _getter(self, transport: Transport, throttle: _Throttle) -> None:
-        """A GET thread: takes indices until told to stop."""
-        stager = self.stager
-        while (i := self.work.get()) is not None:
-            if self.stop.is_set():
-                continue
-            try:
-                data, attempts = stager._get_with_retries(
-                    self.objects[i], self.urls[i], transport, throttle
-                )
-                self.done.put(_Fetched(i, data, attempts))
-            except BaseException as exc:  # permanent: the round raises it
-                self.done.put(_Fetched(i, exc))
+    def get(self, i: int) -> None:
+        """On a GET thread: fetches i and hands the answer to the round's thread."""
+        if self.stop.is_set():
+            return
+        try:
+            data, attempts = self.stager._get_with_retries(
+                self.objects[i], self.urls[i], self.transport, self.throttle
+            )
+            self.done.put(_Fetched(i, data, attempts))
+        except BaseException as exc:  # permanent: the round raises it
+            self.done.put(_Fetched(i, exc))
+
+
+class _GetThreads:
+    """This process's GET threads, kept across rounds: a round that started its own paid a
+    GIL hand-off per thread (``Thread.start`` waits for the thread to run), some 5 ms each
+    beside a training step that holds the GIL. Daemons: a process that exits mid-round
+    must not wait for them. The throttle, not their number, bounds requests in flight."""
+
+    def __init__(self) -> None:
+        self.tasks: queue.SimpleQueue[tuple[_Round, int]] = queue.SimpleQueue()
+        self._threads = 0
+        self._lock = threading.Lock()
+
+    def grow(self, count: int) -> None:
+        with self._lock:
+            for _ in range(count - self._threads):
+                threading.Thread(target=self._serve, daemon=True, name="fastload-get").start()
+                self._threads += 1
+
+    def _serve(self) -> None:
+        while True:
+            round_, i = self.tasks.get()
+            round_.get(i)
+
+
+_get_threads: dict[int, _GetThreads] = {}
+
+
+def _getters() -> _GetThreads:
+    with _shared_lock:
+        getters = _get_threads.get(os.getpid())  # threads do not survive fork
+        if getters is None:
+            getters = _get_threads[os.getpid()] = _GetThreads()
+        return getters
