@@ -183,6 +183,29 @@ def test_tar_shards_the_cache_turns_away_give_the_all_cached_batches(
         assert samples(tmp_path / "pin", max_bytes=budget, policy="pin") == expected
 
 
+def test_forked_torch_workers_read_turned_away_objects_from_the_remote(
+    served: Remote, tmp_path: Path
+) -> None:
+    """After this process held objects (through obstore, over S3), torch's forked workers
+    neither see its holding area nor call obstore (which hangs in a forked child): they
+    read what the cache turned away from the remote."""
+    expected = all_cached(served, tmp_path, 1)
+    dataset = open_files(served, tmp_path / "pin", max_bytes=half_budget(served), policy="pin")
+    epochs(dataset, 1, num_workers=2)  # holds and reads what the cache turns away
+    with fl.DataLoader(
+        dataset,
+        batch_size=4,
+        shuffle=True,
+        collate_fn=list,
+        num_workers=2,
+        worker_init_fn=lambda _: None,  # torch's worker processes (fork)
+        timeout=60,  # a hung worker is an error
+    ) as loader:
+        assert loader.stats()["path"] == "torch"
+        samples = [bytes(s) for batch in loader for s in batch]
+    assert sorted(samples) == sorted(expected)
+
+
 # --- failures, as without holding ----------------------------------------------------------
 
 
