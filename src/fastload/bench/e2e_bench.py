@@ -68,17 +68,18 @@ table gives the median of each figure, the JSON every repeat.
 The training step (``steps``; :class:`fastload.bench.runner.TrainingStep`): each system
 runs once with a step that sleeps (the GIL free: a step waiting on its GPU kernels) and
 once with one that holds the GIL (a pure-Python loop of as many iterations as take
-``step_s`` alone, measured in the child before its loader opens: a real step's kernel
-dispatch, optimizer and logging). A loader working in the training process (threads, or
-its event loop) then takes turns with the step; one working in other processes does not,
-but on 2 cores the busy step also takes a core from it. ``step lost`` is the share of the
-step's wall time in which it could not run (its wall time less its thread's CPU time: its
-rate against its own rate alone; for the sleeping step, the time past its sleep, getting
-the GIL back): what the system took from it, the GIL and, on few cores, the CPU. The
-report also gives each system's rates with the GIL-holding step over its own with the
-sleeping one. ``--quick`` runs the sleeping step only (the GIL-holding one doubles the
-runs); ``--step-holds-gil`` adds it there, ``--no-step-holds-gil`` leaves it out of the
-full run. Resume latency (a run without a step) is measured in the first step's run only.
+``step_s`` alone, measured once per run before any system starts, so every system's step
+does the same work: a real step's kernel dispatch, optimizer and logging). A loader
+working in the training process (threads, or its event loop) then takes turns with the
+step; one working in other processes does not, but on 2 cores the busy step also takes a
+core from it. ``step lost`` is the share of the step's wall time in which it could not run
+(its wall time less its thread's CPU time: its rate against its own rate alone; for the
+sleeping step, the time past its sleep, getting the GIL back): what the system took from
+it, the GIL and, on few cores, the CPU. The report also gives each system's rates with the
+GIL-holding step over its own with the sleeping one. ``--quick`` runs the sleeping step
+only (the GIL-holding one doubles the runs); ``--step-holds-gil`` adds it there,
+``--no-step-holds-gil`` leaves it out of the full run. Resume latency (a run without a
+step) is measured in the first step's run only.
 
 :mod:`fastload.bench.e2e_report` makes the table, the JSON and the chart.
 
@@ -104,7 +105,7 @@ from fastload.bench import e2e_report, e2e_s3_peers
 from fastload.bench.e2e_data import DataConfig, GeneratedData, generate
 from fastload.bench.e2e_process import child_env, default_peers_python, probe_python, run_child
 from fastload.bench.e2e_report import LAYOUT_NAMES, Run
-from fastload.bench.runner import STEP_KINDS, STEP_NAMES, Report
+from fastload.bench.runner import STEP_KINDS, STEP_NAMES, Report, TrainingStep
 from fastload.testing import RemoteBehavior, S3FolderServer
 
 FASTLOAD = e2e_report.FASTLOAD
@@ -327,6 +328,15 @@ def _spec(
     }
 
 
+def _busy_iterations(config: E2EConfig) -> int | None:
+    """The GIL-holding step's work: as many iterations as take ``step_s`` alone here, now,
+    measured once per run so that every system's step does the same work (None: the run
+    has no such step)."""
+    if "gil" not in config.steps:
+        return None
+    return TrainingStep("gil", config.step_s).iterations
+
+
 def _run_dir(
     work: Path, config: E2EConfig, system: str, layout: str, step: str, repeat: int
 ) -> Path:
@@ -378,6 +388,7 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
             local[kind] = work / kind
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             runs.append(Run(system, kind, "failed", f"its conversion failed: {e}"))
+    busy_iterations = _busy_iterations(config)  # before the server runs
     with S3FolderServer(work / "s3") as server:
         for prefix, path in local.items():  # before the knobs: no latency yet
             upload(server, path, prefix)
@@ -415,6 +426,7 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
                             endpoint_url=server.endpoint_url,
                             work_dir=str(run_dir / "data"),
                             samples=data.samples,
+                            step_iterations=busy_iterations,
                         )
                         where = LAYOUT_NAMES[layout]
                         one = _measure(python, spec, run_dir, server, config, where)
@@ -481,6 +493,7 @@ def run_url(
             }.get(system, "needs its own conversion first")
             runs.append(Run(system, layout, "skipped", f"{needs}; not run on a URL"))
             continue
+    busy_iterations = _busy_iterations(config)
     for repeat in range(config.repeats):
         for system in wanted:
             if system not in URL_SYSTEMS or layout not in PLAN[system]:
@@ -497,6 +510,7 @@ def run_url(
                     endpoint_url=None,
                     work_dir=str(run_dir / "data"),
                     samples=None,
+                    step_iterations=busy_iterations,
                 )
                 one = _measure(sys.executable, spec, run_dir, None, config, url)
                 one.repeat = repeat

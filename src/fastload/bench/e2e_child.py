@@ -3,9 +3,9 @@
 ``python -m fastload.bench.e2e_child run SPEC.json RESULT.json`` opens one system
 (:mod:`fastload.bench.e2e_peers`) on one layout of a dataset behind an S3 endpoint, runs
 its epochs as a training loop would (a simulated step after every batch: a sleep, or a
-busy Python loop that holds the GIL, ``runner.TrainingStep``, its rate alone measured here
-before the loader opens), then, where the system offers it, saves its position mid-epoch
-and measures how long a fresh loader takes to deliver the next batch. The parent
+busy Python loop that holds the GIL, ``runner.TrainingStep``, of the work the parent
+measured), then, where the system offers it, saves its position mid-epoch and measures how
+long a fresh loader takes to deliver the next batch. The parent
 (:mod:`fastload.bench.e2e_bench`) counts the bytes its server sends at each mark this
 prints and samples memory; this process reports times, samples, CPU seconds and its peak
 RSS.
@@ -245,7 +245,9 @@ def measure(spec: RunSpec) -> dict[str, Any]:
     for module in IMPORTS[spec.system]:
         with contextlib.suppress(ImportError):  # the system's own import says what is missing
             importlib.import_module(module)
-    step = TrainingStep(spec.step, spec.step_s)  # a busy step's rate alone: before any loader
+    # A busy step's work as the parent measured it, and its rate alone in this interpreter
+    # (for the JSON), measured before any loader runs.
+    step = TrainingStep(spec.step, spec.step_s, iterations=spec.step_iterations)
     cpu_self, cpu_kids = _cpu_s()
     start = time.perf_counter()
     loader = open_loader(spec, None)
