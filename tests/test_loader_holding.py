@@ -4,6 +4,7 @@ memory within a byte bound, read from there (servers on loopback count the GETs)
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from test_loader import write_source
 import fastload as fl
 from fastload.datasets.base import ShardedDataset
 from fastload.errors import RemoteError, RemoteNotFoundError
+from fastload.loader.pipeline import Pipeline
+from fastload.loader.stats import LoaderStats
 from fastload.stage import FetchConfig, Holding
 
 QUICK = FetchConfig(jobs=8, retries=4, backoff_s=0.01, backoff_max_s=0.02, timeout_s=10)
@@ -204,6 +207,62 @@ def test_forked_torch_workers_read_turned_away_objects_from_the_remote(
         assert loader.stats()["path"] == "torch"
         samples = [bytes(s) for batch in loader for s in batch]
     assert sorted(samples) == sorted(expected)
+
+
+# --- the pipeline: batches are loaded after their staging round --------------------------
+
+
+def test_with_load_after_stage_no_batch_is_loaded_before_its_round_is_staged() -> None:
+    staged: set[int] = set()
+    rounds: list[int] = []
+
+    def stage(batches: list[Any]) -> None:
+        rounds.append(len(batches))
+        time.sleep(0.02)  # workers that did not wait would load these meanwhile
+        staged.update(b[0] for b in batches)
+
+    def load(seq: int, batch: list[int]) -> int:
+        assert batch[0] in staged, f"batch {seq} loaded before it was staged"
+        return batch[0]
+
+    batches = iter([[i] for i in range(40)])
+    pipeline = Pipeline(
+        batches,
+        load,
+        workers=3,
+        prefetch=6,
+        stage=stage,
+        lookahead=20,
+        stage_round=8,
+        load_after_stage=True,
+        stats=LoaderStats(),
+    )
+    assert list(pipeline) == list(range(40))
+    assert rounds[:4] == [1, 2, 4, 8]  # a pass starts with small rounds
+    assert max(rounds) == 8
+
+
+def test_with_load_after_stage_a_failing_sampler_is_an_error_not_a_hang() -> None:
+    def batches() -> Any:
+        yield [0]
+        yield [1]
+        raise ValueError("the sampler broke")
+
+    pipeline = Pipeline(
+        batches(),
+        lambda seq, batch: batch[0],
+        workers=2,
+        prefetch=4,
+        stage=lambda batches: None,
+        lookahead=8,
+        stage_round=8,
+        load_after_stage=True,
+        stats=LoaderStats(),
+    )
+    got = []
+    with pytest.raises(ValueError, match="sampler broke"):
+        got.extend(pipeline)
+    assert got == [0, 1]
 
 
 # --- failures, as without holding ----------------------------------------------------------

@@ -6,9 +6,10 @@ batches (read, decode, collate, start the copy to the device) at most ``prefetch
 the consumer takes them in sampler order. With ``load_after_stage``, a batch is loaded
 only once its staging round is done (objects held in memory for a count of reads must not
 be read before that count is set), and a pass's rounds start at one batch and double, so
-its first batch waits for its own objects only. Every wait is bounded and rechecks ``closed``, so
-``close()`` (on ``break``, on garbage collection, at exit) stops every thread, and an error
-in any thread reaches the consumer at the batch it belongs to, naming the stage.
+its first batch waits for its own objects only. Every wait is bounded and rechecks
+``closed``, so ``close()`` (on ``break``, on garbage collection, at exit) stops every
+thread, and an error in any thread reaches the consumer at the batch it belongs to, naming
+the stage.
 """
 
 from __future__ import annotations
