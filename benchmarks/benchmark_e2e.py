@@ -5,7 +5,9 @@ Command (full size: 3,000 generated JPEGs of ~105 KB in three layouts, served ov
 
     .venv/bin/python benchmarks/benchmark_e2e.py --out fastload-bench
 
-``--quick`` takes 600 images, folder and tar only, 2 epochs. mosaicml-streaming and litdata
+``--quick`` takes 600 images, folder and tar only, 2 epochs, the sleeping training step
+only (the full run also runs every system with a step that holds the GIL;
+``--step-holds-gil`` / ``--no-step-holds-gil`` say otherwise). mosaicml-streaming and litdata
 run when ``make bench-peers`` has built ``.venv-peers``. Writes ``e2e.json`` (every figure,
 the machine) and ``e2e.png`` into ``--out`` and prints the table and fastload's ratio to
 each peer. ``fastload bench`` runs the same; see ``fastload.bench.e2e_bench``.
@@ -26,6 +28,12 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=None)
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--step-ms", type=float, default=None, help="training step (20)")
+    parser.add_argument(
+        "--step-holds-gil",
+        action=argparse.BooleanOptionalAction,
+        help="also a step that holds the GIL (default: full run yes, --quick no)",
+    )
     parser.add_argument("--system", action="append", help="only this system (repeatable)")
     args = parser.parse_args()
     config = e2e_bench.E2EConfig.quick() if args.quick else e2e_bench.E2EConfig()
@@ -33,6 +41,8 @@ def main() -> None:
         "latency_s": None if args.latency_ms is None else args.latency_ms / 1000,
         "workers": args.workers,
         "epochs": args.epochs,
+        "step_s": None if args.step_ms is None else args.step_ms / 1000,
+        "steps": e2e_bench.steps_option(args.step_holds_gil),
         "systems": tuple(args.system) if args.system else None,
     }
     config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})

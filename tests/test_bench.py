@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from fastload.bench import read_bench
-from fastload.bench.runner import Measurement, Report, measure, relate
+from fastload.bench.runner import Measurement, Report, TrainingStep, measure, relate, step_lost
 
 
 def row(case: str, system: str, seconds: float) -> Measurement:
@@ -92,3 +94,51 @@ def test_generated_data_is_reused_when_it_has_the_right_size(tmp_path: Path) -> 
 def test_config_refuses_non_positive_sizes(field) -> None:
     with pytest.raises(ValueError, match=f"{field} must be > 0"):
         read_bench.ReadBenchConfig(**{field: 0})
+
+
+def test_the_gil_step_holds_the_gil_and_the_sleeping_step_lets_a_thread_run() -> None:
+    """A Python thread counts while each step runs; the interpreter may force a hand-off
+    only after half a second, so a 20 ms step that holds the GIL lets it count nothing,
+    and one that sleeps lets it count throughout. Counts are compared, not times."""
+    steps = [TrainingStep("sleep", 0.02), TrainingStep("gil", 0.02)]
+    assert steps[1].iterations > 0
+    counted = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    advanced = {"sleep": 0, "gil": 0}
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    thread = threading.Thread(target=count, daemon=True)
+    thread.start()
+    try:
+        for step in steps * 3:
+            before = counted[0]
+            step()
+            advanced[step.kind] += counted[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        thread.join(10)
+    assert advanced["sleep"] > 1000
+    assert advanced["gil"] * 10 < advanced["sleep"]
+    assert [s.calls for s in steps] == [3, 3]
+
+
+def test_a_step_counts_what_it_took_and_what_was_lost() -> None:
+    step = TrainingStep("gil", 0.01, iterations=1000, alone_rate=1e6)
+    step()
+    assert step.calls == 1
+    assert 0 <= step.waited_s <= step.spent_s
+    assert step.record()["iterations"] == 1000
+    sleeping = TrainingStep("sleep", 0.01)
+    sleeping()
+    assert sleeping.spent_s >= 0.01
+    assert sleeping.waited_s == pytest.approx(sleeping.spent_s - 0.01)
+    assert step_lost(0.01, 0.05) == pytest.approx(0.2)  # a fifth of its time taken
+    assert step_lost(0.0, 0.0) is None
+    with pytest.raises(ValueError, match="step must be one of"):
+        TrainingStep("nap", 0.01)

@@ -80,3 +80,27 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "results" / "read.json").read_text())
     assert {r["system"] for r in result["rows"]} >= {"cat > /dev/null", "Python readinto loop"}
     assert result["machine"]["cores"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("args", "steps"),
+    [
+        (["bench"], ("sleep", "gil")),  # the full run: both steps for every system
+        (["bench", "--quick"], ("sleep",)),  # the README's 2.5 minutes stay so
+        (["bench", "--quick", "--step-holds-gil"], ("sleep", "gil")),
+        (["bench", "--no-step-holds-gil"], ("sleep",)),
+    ],
+)
+def test_bench_runs_the_gil_holding_step_beside_the_sleeping_one(args, steps) -> None:
+    from fastload import cli
+
+    config = cli.bench_config(cli.build_parser().parse_args(args))
+    assert config.steps == steps
+
+
+def test_bench_components_pass_the_gil_step_to_the_loader_benchmark() -> None:
+    from fastload import cli
+
+    parsed = cli.build_parser().parse_args(["bench", "--components", "--step-holds-gil"])
+    assert parsed.step_holds_gil is True
+    assert cli.build_parser().parse_args(["bench"]).step_holds_gil is None

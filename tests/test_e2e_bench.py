@@ -16,6 +16,7 @@ from PIL import Image
 
 from fastload.bench import e2e_bench, e2e_peers, e2e_report
 from fastload.bench.e2e_data import DataConfig, folder_key, generate, label_of, zarr_pixels
+from fastload.bench.runner import TrainingStep
 
 TINY = DataConfig(samples=24, classes=3, shard_samples=8, zarr_side=32, zarr_chunk_rows=4)
 
@@ -32,6 +33,7 @@ def tiny(**changes: object) -> e2e_bench.E2EConfig:
         "run_timeout_s": 120.0,
         "layouts": ("folder",),
         "repeats": 1,
+        "steps": ("sleep",),
         "peers_python": "/nonexistent/.venv-peers/bin/python",
         **changes,
     }
@@ -134,6 +136,92 @@ def test_fastload_and_the_fsspec_peer_end_to_end_with_skipped_peers(tmp_path: Pa
     text = e2e_report.summary(report)
     assert "skipped: " in text
     assert f"fastload vs {e2e_bench.FSSPEC} (folder): warm" in text
+
+
+@pytest.mark.slow
+def test_every_system_runs_with_the_sleeping_and_the_gil_holding_step(tmp_path: Path) -> None:
+    config = tiny(
+        systems=(e2e_bench.FASTLOAD, e2e_bench.FSSPEC), steps=("sleep", "gil"), step_s=0.01
+    )
+    report = e2e_bench.run(tmp_path, config)
+    runs = {(r["system"], r["step"]): r for r in report.params["runs"]}
+    systems = (e2e_bench.FASTLOAD, e2e_bench.FSSPEC)
+    assert set(runs) == {(system, step) for system in systems for step in ("sleep", "gil")}
+    for (_, step), run in runs.items():
+        assert run["status"] == "ok", run["note"]
+        assert [e["samples"] for e in run["epochs"]] == [TINY.samples, TINY.samples]
+        assert run["figures"]["step_lost_warm"] is not None
+        assert run["training_step"]["kind"] == step
+        # The busy step's work was measured in the child, alone, before the loader opened.
+        assert (run["training_step"]["iterations"] > 0) is (step == "gil")
+    # The same work in every system's busy step: measured once, by the parent.
+    assert len({runs[(s, "gil")]["training_step"]["iterations"] for s in systems}) == 1
+    fast_gil = runs[(e2e_bench.FASTLOAD, "gil")]
+    assert fast_gil["resume"]["resume_s"] is None  # measured once, with the sleeping step
+    assert "resume measured with the sleeping step" in fast_gil["note"]
+    assert runs[(e2e_bench.FASTLOAD, "sleep")]["resume"]["resume_exact"] is True
+    assert {(e["step"], e["peer"]) for e in report.params["ratios"]} == {
+        ("sleep", e2e_bench.FSSPEC),
+        ("gil", e2e_bench.FSSPEC),
+    }
+    against = {e["system"]: e for e in report.params["gil_vs_sleep"]}
+    assert set(against) == {e2e_bench.FASTLOAD, e2e_bench.FSSPEC}
+    assert all(e["warm_samples_per_s"] > 0 for e in against.values())
+    cases = {(r.case, r.system) for r in report.rows}
+    assert ("folder, GIL-holding step", e2e_bench.FASTLOAD) in cases
+    assert ("folder", e2e_bench.FASTLOAD) in cases
+    text = e2e_report.summary(report)
+    assert "With the GIL-holding step, each system's rates over its own" in text
+    assert "  fastload (folder): warm" in text
+    assert f"fastload vs {e2e_bench.FSSPEC} (folder, GIL-holding step): warm" in text
+    assert "step per batch: sleeping, and holding the GIL" in text
+    assert "step lost %" in text
+
+
+def test_an_epoch_counts_what_its_steps_took_and_waited() -> None:
+    """Each epoch of the child records its steps' wall time and the part of it in which
+    the step could not run; the report makes the share lost of them."""
+    from fastload.bench import e2e_child
+
+    loader = FakeLoader(None, "", e2e_peers.SAMPLE_IDS)
+    step = TrainingStep("gil", 0.002)
+    epoch = e2e_child._epoch(loader, 0, step, 0.0, None)
+    assert epoch["batches"] == 5 == step.calls
+    assert epoch["step_s"] == pytest.approx(step.spent_s)
+    assert 0 <= epoch["step_waited_s"] <= epoch["step_s"]
+    assert step.record()["alone_rate"] > 0
+    run = e2e_report.Run(e2e_bench.FSSPEC, "folder", step="gil",
+                         result={"epochs": [epoch, epoch], "step": step.record()})  # fmt: skip
+    assert 0 <= e2e_report.figures(run)["step_lost_warm"] < 1
+
+
+def test_the_report_sets_each_systems_gil_step_against_its_sleeping_step() -> None:
+    def one(system: str, step: str, warm_s: float, step_s: float) -> e2e_report.Run:
+        epoch = {"samples": 24, "wait_s": 0.1, "first_batch_s": 0.1, "partial": False,
+                 "batches": 3, "step_s": step_s, "step_waited_s": step_s - 0.03}  # fmt: skip
+        epochs = [{**epoch, "seconds": 2.0}, {**epoch, "seconds": warm_s}]
+        result = {"epochs": epochs, "step": {"kind": step}}
+        return e2e_report.Run(system, "folder", result=result, step=step)
+
+    runs = [
+        one(e2e_bench.FASTLOAD, "sleep", 1.0, 0.03),
+        one(e2e_bench.FASTLOAD, "gil", 2.0, 0.06),  # half the rate, the step took twice
+        one(e2e_bench.FSSPEC, "sleep", 2.0, 0.03),
+        one(e2e_bench.FSSPEC, "gil", 2.0, 0.03),
+    ]
+    report = e2e_report.build({"batch_size": 8}, "t", None, runs, None)
+    (fast, peer) = report.params["gil_vs_sleep"]
+    assert fast["warm_samples_per_s"] == pytest.approx(0.5)
+    assert fast["step_lost_warm"] == pytest.approx(0.5)
+    assert peer["warm_samples_per_s"] == pytest.approx(1.0)
+    assert peer["step_lost_warm"] == pytest.approx(0.0)
+    ratios = {e["step"]: e["warm_samples_per_s"] for e in report.params["ratios"]}
+    assert ratios == {"sleep": pytest.approx(2.0), "gil": pytest.approx(1.0)}
+    table = e2e_report.table(report)
+    assert [r["step"] for r in report.params["runs"]] == ["sleep", "gil"] * 2
+    assert sum(" GIL " in line for line in table.splitlines()) == 2
+    assert sum(" sleep " in line for line in table.splitlines()) == 2
+    assert "took 50% of the step's time" in e2e_report.summary(report)
 
 
 @pytest.mark.slow
@@ -262,7 +350,8 @@ def test_the_resume_check_compares_what_was_delivered_with_an_uninterrupted_epoc
 
     spec = _spec()
     loader = FakeLoader(None, fault, delivers)
-    epochs = [e2e_child._epoch(loader, e, spec, 0.0, None) for e in range(spec.epochs)]
+    step = TrainingStep("sleep", spec.step_s)
+    epochs = [e2e_child._epoch(loader, e, step, 0.0, None) for e in range(spec.epochs)]
     assert epochs[-1]["ids"] is None if delivers == "counts" else sorted(epochs[-1]["ids"])
 
     def reopen(spec: e2e_peers.RunSpec, state: Any) -> e2e_peers.Loader:

@@ -111,6 +111,7 @@ def e2e_config(system: str, **changes: Any) -> e2e_bench.E2EConfig:
         "run_timeout_s": 120.0,
         "layouts": ("folder", "tar"),
         "systems": (system,),
+        "steps": ("sleep",),  # the GIL-holding step is exercised in test_e2e_bench
         "peers_python": "/nonexistent/.venv-peers/bin/python",
         **changes,
     }

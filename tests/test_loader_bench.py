@@ -68,6 +68,16 @@ def test_every_row_reports_waits_and_memory_per_epoch(
         assert r.extra["peak_rss_mb"] > 50
         assert r.extra["peak_pss_mb"] > 50
         assert "rss_growth" in r.extra
+        assert r.extra["step_samples_per_s"] > 0
+        # The GIL-holding step, beside the configured one, for every system.
+        assert r.extra["gil_samples_per_s"] > 0
+        assert r.extra["gil_vs_step"] > 0
+        assert 0 <= r.extra["gil_wait_frac"] <= 1
+        assert 0 <= r.extra["gil_step_lost"] < 1
+        assert 0 <= r.extra["step_lost"] < 1  # the sleeping step: time past its sleep
+        assert r.extra["gil_ratio"] > 0
+        if r.system == r.reference:
+            assert r.extra["gil_ratio"] == 1.0
         assert r.extra["cpu_us_per_sample"] >= 0
         if "JPEG" in r.case:  # milliseconds a sample: CPU time to see even at toy size
             assert r.extra["cpu_us_per_sample"] > 0
@@ -80,6 +90,7 @@ def test_every_row_reports_waits_and_memory_per_epoch(
         else:
             assert "stats_wait_frac" not in r.extra
     assert "stats_wait_frac" in report.table()
+    assert "gil_step_lost" in report.table()
 
 
 def test_json_keeps_each_systems_epochs_and_fastloads_stats(
@@ -92,8 +103,9 @@ def test_json_keeps_each_systems_epochs_and_fastloads_stats(
         assert set(systems) == set(SYSTEMS[case])
         for system, d in systems.items():
             assert len(d["epochs"]) == TINY.epochs
+            assert len(d["gil_epochs"]) == TINY.epochs
             assert len(d["plain"]) == TINY.repeats
-            assert all(0 < e["step_s"] < e["seconds"] for e in d["epochs"])
+            assert all(0 < e["step_s"] < e["seconds"] for e in d["epochs"] + d["gil_epochs"])
             assert all(e["step_s"] == 0 for e in d["plain"])
             assert all(e["peak_rss"] > 0 for e in d["epochs"])
             if system.startswith(FASTLOAD):
@@ -107,7 +119,7 @@ def test_json_keeps_each_systems_epochs_and_fastloads_stats(
                     assert stats["path"] == "torch"
     jpeg = details["jpeg"][f"{FASTLOAD}, decode='cpu'"]["plain"][-1]["stats"]
     assert jpeg["decode_backend"] == "cpu"
-    assert jpeg["samples"] == TINY.images * (TINY.epochs + TINY.repeats)
+    assert jpeg["samples"] == TINY.images * (2 * TINY.epochs + TINY.repeats)
 
 
 def test_the_memory_sampler_counts_child_processes() -> None:
@@ -143,7 +155,7 @@ def test_a_failing_system_names_itself_and_shows_its_error(tmp_path: Path) -> No
     try:
         child.ask(None)  # the loader is made; the dataset opens in the workers
         with pytest.raises(RuntimeError, match=r"zarr-python \(zarr\) exited early") as raised:
-            child.ask({"do": "epoch", "step": False})
+            child.ask({"do": "epoch", "step": None})
     finally:
         child.close()
     assert "missing" in str(raised.value)  # the child's own error, with the path
@@ -163,3 +175,10 @@ def test_a_matmul_step_runs_the_count_the_parent_measured() -> None:
     assert count >= 1
     step = loader_bench._training_step(replace(TINY, step="matmul"), count)
     step()  # runs: the same work in every system's process
+
+
+def test_quick_leaves_the_gil_step_to_the_full_run() -> None:
+    assert LoaderBenchConfig().step_holds_gil
+    assert not LoaderBenchConfig.quick().step_holds_gil
+    asked = loader_bench.configured(LoaderBenchConfig.quick(), step_holds_gil=True)
+    assert asked.step_holds_gil

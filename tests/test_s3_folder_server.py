@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import private_s3fs
 
-from fastload.testing import S3FolderServer
+from fastload.testing import HTTPServerProcess, RemoteBehavior, S3FolderServer
 
 s3fs = pytest.importorskip("s3fs")
 boto3 = pytest.importorskip("boto3")
@@ -474,3 +474,99 @@ def test_fastload_opens_and_reads_a_dataset_through_it(tmp_path: Path) -> None:
         stats = server.stats()
         for rel in files:
             assert stats.count(f"/data/ds/{rel}", "GET") == 1, rel
+
+
+# -- https, and S3's bad days ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HTTPServerProcess]:
+    """An https S3FolderServer in a process of its own, serving BUCKET/data/a.txt."""
+    root = tmp_path_factory.mktemp("tls-root")
+    (root / BUCKET / "data").mkdir(parents=True)
+    (root / BUCKET / "data" / "a.txt").write_bytes(b"hello world")
+    with HTTPServerProcess(root, s3=True, tls=True) as s:
+        yield s
+
+
+def _untrusted(options: dict[str, Any]) -> dict[str, Any]:
+    """The same options without the trusted authority (``verify``)."""
+    client_kwargs = {k: v for k, v in options["client_kwargs"].items() if k != "verify"}
+    return {**options, "client_kwargs": client_kwargs}
+
+
+def test_tls_s3fs_trusts_the_server_through_verify_and_only_so(
+    tls_server: HTTPServerProcess,
+) -> None:
+    assert tls_server.url.startswith("https://")
+    path = f"{BUCKET}/data/a.txt"
+    tls_server.reset_stats()
+    fs = private_s3fs(tls_server.storage_options, timeout_s=CLIENT_TIMEOUT_S)
+    assert fs.cat_file(path) == b"hello world"
+    assert tls_server.stats().count(f"/{path}", "GET") == 1
+
+    tls_server.reset_stats()
+    untrusted = private_s3fs(_untrusted(tls_server.storage_options), timeout_s=CLIENT_TIMEOUT_S)
+    with pytest.raises(botocore.exceptions.SSLError, match="CERTIFICATE_VERIFY_FAILED"):
+        untrusted.cat_file(path)
+    assert tls_server.stats().total == 0  # refused in the handshake: no request got through
+
+
+@pytest.mark.parametrize("trust", ["verify", "AWS_CA_BUNDLE"])
+def test_tls_obstore_transport_trusts_what_s3fs_was_told(
+    tls_server: HTTPServerProcess, trust: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastload.transport import ObjectStoreTransport
+
+    options = tls_server.storage_options
+    if trust == "AWS_CA_BUNDLE":
+        options = _untrusted(options)
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(tls_server.ca_file))
+    path = f"{BUCKET}/data/a.txt"
+    tls_server.reset_stats()
+    transport = ObjectStoreTransport.from_s3fs(
+        private_s3fs(options, timeout_s=CLIENT_TIMEOUT_S), CLIENT_TIMEOUT_S
+    )
+    assert transport is not None  # obstore itself, not the s3fs fallback
+    assert bytes(transport.get(path)) == b"hello world"
+    assert tls_server.stats().count(f"/{path}", "GET") == 1
+
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    tls_server.reset_stats()
+    untrusted = ObjectStoreTransport.from_s3fs(
+        private_s3fs(_untrusted(options), timeout_s=CLIENT_TIMEOUT_S), CLIENT_TIMEOUT_S
+    )
+    assert untrusted is not None
+    with pytest.raises(ConnectionError):
+        untrusted.get(path)
+    assert tls_server.stats().total == 0
+
+
+def test_slowdown_burst_is_answered_503_and_fastload_retries_through_it(tmp_path: Path) -> None:
+    import fastload
+
+    objects = 40
+    with S3FolderServer(tmp_path / "root") as server:
+        server.create_bucket(BUCKET)
+        for i in range(objects):
+            server.put(BUCKET, f"ds/c{i % 2}/{i:03d}.bin", os.urandom(100 + i))
+        url, cache = f"s3://{BUCKET}/ds", str(tmp_path / "cache")
+        options = server.storage_options
+        fastload.warm(url, cache_dir=cache, storage_options=options, dry_run=True, progress=False)
+        # The burst starts with staging's first GET and outlasts the first retries.
+        server.set_behavior(RemoteBehavior(slowdown_every_s=3600.0, slowdown_for_s=0.5))
+        server.reset_stats()
+        report = fastload.warm(url, cache_dir=cache, storage_options=options, progress=False)
+        assert report.ok, report
+        assert report.fetched == objects
+        stats = server.stats()
+        slowed = stats.faults_injected
+        assert slowed > 0
+        gets = {p: n for (m, p), n in stats.requests.items() if m == "GET"}
+        assert len(gets) == objects
+        assert sum(gets.values()) == objects + slowed  # one more GET for each SlowDown
+
+        server.set_behavior(RemoteBehavior(slowdown_every_s=3600.0, slowdown_for_s=3600.0))
+        status, _, body = raw(server, "GET", f"/{BUCKET}/ds/c0/000.bin")
+        assert status == 503
+        assert b"<Code>SlowDown</Code>" in body

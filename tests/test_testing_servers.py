@@ -70,6 +70,55 @@ def test_behavior_validates_and_set_behavior_changes_single_fields() -> None:
     assert controls.set_behavior(RemoteBehavior(latency_s=2)).latency_s == 2
 
 
+def test_lognormal_latency_has_the_median_and_p99_asked_for_and_follows_its_seed() -> None:
+    with pytest.raises(ValueError, match="latency_p99_s"):
+        RemoteBehavior(latency_s=0.0, latency_p99_s=0.1)
+    with pytest.raises(ValueError, match="latency_p99_s"):
+        RemoteBehavior(latency_s=0.2, latency_p99_s=0.1)
+    behavior = RemoteBehavior(latency_s=0.020, latency_p99_s=0.200, seed=3)
+    assert behavior.latency_sigma == pytest.approx(np.log(10) / 2.326, rel=1e-3)
+    draws = np.array(behavior.latency_draws(50_000))
+    assert np.median(draws) == pytest.approx(0.020, rel=0.03)
+    assert np.quantile(draws, 0.99) == pytest.approx(0.200, rel=0.08)
+    assert behavior.latency_draws(100) == list(draws[:100])
+    assert RemoteBehavior(latency_s=0.020, latency_p99_s=0.200, seed=4).latency_draws(100) != list(
+        draws[:100]
+    )
+    assert RemoteBehavior(latency_s=0.02).latency_draws(3) == [0.02] * 3
+
+
+def test_server_sleeps_the_latencies_its_seed_draws(tree: Path) -> None:
+    behavior = RemoteBehavior(latency_s=1e-4, latency_p99_s=1e-3, seed=5)
+    with RangeHTTPServer(tree, behavior=behavior) as server:
+
+        def heads(n: int) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CLIENT_TIMEOUT_S)
+            try:
+                for _ in range(n):
+                    conn.request("HEAD", "/a.txt")
+                    conn.getresponse().read()
+            finally:
+                conn.close()
+
+        heads(200)
+        assert server.latency_draws() == behavior.latency_draws(200)
+        server.set_behavior(behavior)  # starts the draws over
+        heads(20)
+        assert server.latency_draws() == behavior.latency_draws(20)
+
+
+def test_slowdown_bursts_answer_every_request_503_then_end() -> None:
+    with pytest.raises(ValueError, match="slowdown"):
+        RemoteBehavior(slowdown_every_s=1.0, slowdown_for_s=2.0)
+    controls = RemoteControls(RemoteBehavior(slowdown_every_s=3600.0, slowdown_for_s=0.05))
+    slowdown = Fault(kind=FaultKind.STATUS, status=503, code="SlowDown")
+    assert controls._on_request("GET", "/a").fault == slowdown  # the burst starts here
+    assert controls._on_request("HEAD", "/b").fault == slowdown
+    time.sleep(0.1)  # past the burst's 50 ms, far from the next one
+    assert controls._on_request("GET", "/a").fault is None
+    assert controls.stats().faults_injected == 2
+
+
 def test_faults_are_consumed_in_order_by_matching_requests() -> None:
     controls = RemoteControls()
     controls.fail_next(2, 503, path_contains="/b")

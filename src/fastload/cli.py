@@ -30,6 +30,7 @@ from fastload.plan import DEFAULT_WINDOW_SHARDS
 from fastload.remote import scrub
 
 if TYPE_CHECKING:
+    from fastload.bench.e2e_bench import E2EConfig
     from fastload.bench.runner import Report
 
 # Commands of DESIGN.md whose implementation is tracked by an open issue.
@@ -209,22 +210,7 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_components(args)
     from fastload.bench import e2e_bench, e2e_report
 
-    config = e2e_bench.E2EConfig.quick() if args.quick else e2e_bench.E2EConfig()
-    changes: dict[str, Any] = {
-        "latency_s": None if args.latency_ms is None else args.latency_ms / 1000,
-        "workers": args.workers,
-        "step_s": None if args.step_ms is None else args.step_ms / 1000,
-        "epochs": args.epochs,
-        "systems": tuple(args.system) if args.system else None,
-        "layouts": tuple(args.layout) if args.layout else None,
-        "repeats": args.repeats,
-    }
-    if args.bandwidth is not None:
-        changes["bandwidth_bytes_per_s"] = args.bandwidth or None  # 0: no cap
-    try:
-        config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    config = bench_config(args)
     out = Path(args.out)
     where = args.url or f"{config.data.samples:,} generated JPEGs in {out / 'data'}"
     print(f"fastload {fastload.__version__} bench: end to end on {where}", flush=True)
@@ -237,6 +223,29 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_config(args: argparse.Namespace) -> E2EConfig:
+    """The end-to-end benchmark's configuration from ``fastload bench``'s arguments."""
+    from fastload.bench import e2e_bench
+
+    config = e2e_bench.E2EConfig.quick() if args.quick else e2e_bench.E2EConfig()
+    changes: dict[str, Any] = {
+        "latency_s": None if args.latency_ms is None else args.latency_ms / 1000,
+        "workers": args.workers,
+        "step_s": None if args.step_ms is None else args.step_ms / 1000,
+        "epochs": args.epochs,
+        "systems": tuple(args.system) if args.system else None,
+        "layouts": tuple(args.layout) if args.layout else None,
+        "repeats": args.repeats,
+        "steps": e2e_bench.steps_option(args.step_holds_gil),
+    }
+    if args.bandwidth is not None:
+        changes["bandwidth_bytes_per_s"] = args.bandwidth or None  # 0: no cap
+    try:
+        return dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _bench_components(args: argparse.Namespace) -> int:
     from fastload.bench import decode_bench, loader_bench, policy_bench, read_bench, stage_bench
 
@@ -247,6 +256,7 @@ def _bench_components(args: argparse.Namespace) -> int:
     policy = policy_bench.PolicyBenchConfig.quick() if quick else policy_bench.PolicyBenchConfig()
     decode = decode_bench.DecodeBenchConfig.quick() if quick else decode_bench.DecodeBenchConfig()
     loader = loader_bench.LoaderBenchConfig.quick() if quick else loader_bench.LoaderBenchConfig()
+    loader = loader_bench.configured(loader, step_holds_gil=args.step_holds_gil)
     benchmarks: list[tuple[str, Path, Callable[[Path], Report]]] = [
         ("reading cached bytes", data, lambda d: read_bench.run(d, read)),
         ("staging from a remote over HTTP", data / "stage", lambda d: stage_bench.run(d, stage)),
@@ -338,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--workers", type=int, help="threads or worker processes (default 2)")
     bench.add_argument("--step-ms", type=float, help="simulated training step (default 20)")
+    bench.add_argument(
+        "--step-holds-gil",
+        action=argparse.BooleanOptionalAction,
+        help="also run every system with a step that holds the GIL (a busy Python loop) "
+        "beside the sleeping one (default: in the full run, not with --quick; with "
+        "--components: in the loader benchmark)",
+    )
     bench.add_argument("--epochs", type=int, help="the first is cold (default 3; --quick 2)")
     bench.add_argument(
         "--repeats",

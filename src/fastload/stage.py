@@ -44,7 +44,8 @@ from fastload.remote import (
 )
 from fastload.transport import Buffer, Transport, transport_for
 
-Outcome = Literal["cached", "fetched", "skipped", "failed"]
+# "held": the cache turned the object away, so it was fetched into memory (:class:`Holding`).
+Outcome = Literal["cached", "fetched", "held", "skipped", "failed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,10 @@ class FetchConfig:
     # never waits for, nor takes, the GIL of a training step. Opt-in for now: its start-up
     # (a fresh interpreter) lands on the first batch of a cold epoch.
     staging_process: bool = False
+    # Objects the cache turns away (a full ``pin`` cache) that a loader will read soon are
+    # fetched ahead anyway and held in memory until read, in at most this many bytes
+    # (0: not held, read from the remote when needed). None: a loader's look-ahead.
+    hold_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.jobs < 1 or not 1 <= self.min_jobs <= self.jobs:
@@ -74,6 +79,8 @@ class FetchConfig:
             raise ValueError("retries and backoff_s must be >= 0 and timeout_s > 0")
         if self.range_bytes <= 0 or self.range_threshold_bytes <= 0:
             raise ValueError("range_bytes and range_threshold_bytes must be > 0")
+        if self.hold_bytes is not None and self.hold_bytes < 0:
+            raise ValueError(f"hold_bytes must be >= 0 or None, got {self.hold_bytes}")
         if self.transport not in ("auto", "fsspec"):
             raise ValueError(f'transport must be "auto" or "fsspec", got {self.transport!r}')
 
@@ -104,6 +111,91 @@ class _Progress:
             self.fetched_bytes += result.nbytes
         if self.callback is not None:
             self.callback(self)
+
+
+@dataclass(slots=True)
+class _Held:
+    data: memoryview
+    reads: int  # reads still expected; dropped at 0
+
+
+class Holding:
+    """Objects the cache turned away, fetched ahead like staged ones and kept in memory until
+    read, by object key: a dataset larger than a ``pin`` cache then reads its uncached half
+    from memory, whole batches at a time, instead of one synchronous GET per sample.
+
+    Bounded by bytes: an object is dropped after the reads it was fetched for, and the
+    oldest first when a new one needs room (it is then read from the remote, as without
+    holding). One per dataset store and process; state per held object only.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.peak_bytes = 0
+        self.dropped_unread = 0  # pushed out for room before their reads: fetched in vain
+        self._held: collections.OrderedDict[str, _Held] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def fits(self, size: int) -> bool:
+        return size <= self.max_bytes
+
+    def put(self, key: str, data: Buffer, reads: int) -> bool:
+        """Holds data for ``reads`` reads, making room oldest first; False if it cannot fit."""
+        view = memoryview(data)
+        if not self.fits(view.nbytes):
+            return False
+        with self._lock:
+            old = self._held.pop(key, None)
+            if old is not None:
+                self.nbytes -= old.data.nbytes
+            while self.nbytes + view.nbytes > self.max_bytes:
+                _, oldest = self._held.popitem(last=False)
+                self.nbytes -= oldest.data.nbytes
+                self.dropped_unread += 1
+            self._held[key] = _Held(view, max(1, reads))
+            self.nbytes += view.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        return True
+
+    def expect(self, key: str, reads: int) -> bool:
+        """Adds reads to a held object; False if it is not held."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                held.reads += reads
+            return held is not None
+
+    def take(self, key: str, reads: int = 1) -> memoryview | None:
+        """A held object's bytes (None if not held), counting ``reads`` of its expected ones:
+        after the last it is dropped (the caller keeps the bytes it got)."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is None:
+                return None
+            held.reads -= reads
+            if held.reads <= 0:
+                del self._held[key]
+                self.nbytes -= held.data.nbytes
+            return held.data
+
+    def resize(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            while self.nbytes > max_bytes:
+                _, oldest = self._held.popitem(last=False)
+                self.nbytes -= oldest.data.nbytes
+                self.dropped_unread += 1
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "objects": len(self._held),
+                "bytes": self.nbytes,
+                "peak_bytes": self.peak_bytes,
+                "max_bytes": self.max_bytes,
+                "dropped_unread": self.dropped_unread,
+            }
 
 
 class _Throttle:
@@ -200,6 +292,8 @@ class Stager:
         *,
         progress: Callable[[_Progress], None] | None = None,
         here: bool = False,
+        hold: Holding | None = None,
+        reads: Sequence[int] | None = None,
     ) -> list[StageResult]:
         """Fetches whatever of objects is not cached yet, in the given order of priority.
 
@@ -207,13 +301,40 @@ class Stager:
         raised; transient failures that outlast their retries are reported per object.
         ``here`` stages in this process even where a staging process would: for an object
         a reader is waiting for, which must not queue behind a round of staging ahead.
+        With ``hold``, what the cache turns away is fetched all the same and held there
+        for ``reads[i]`` reads (1 each by default; 0: not held): outcome "held".
         """
         if not objects:
             return []
         tracker = _Progress(callback=progress)
         if not here and self._elsewhere():
-            return self._stage_in_staging_process(objects, tracker)
-        return _Round(self, objects, tracker).run()
+            results = self._stage_in_staging_process(objects, tracker)
+            if hold is not None:
+                self._hold_skipped(objects, results, hold, reads)
+            return results
+        return _Round(self, objects, tracker, hold, reads).run()
+
+    def _hold_skipped(
+        self,
+        objects: Sequence[RemoteObject],
+        results: list[StageResult],
+        hold: Holding,
+        reads: Sequence[int] | None,
+    ) -> None:
+        """Fetches into ``hold``, in this process, what the staging process skipped: it
+        keeps no memory of this process's, so the bytes would cross the pipe otherwise."""
+        skipped = [i for i, r in enumerate(results) if r.outcome == "skipped"]
+        if not skipped:
+            return
+        held = _Round(
+            self,
+            [objects[i] for i in skipped],
+            _Progress(),
+            hold,
+            None if reads is None else [reads[i] for i in skipped],
+        ).run()
+        for i, result in zip(skipped, held, strict=True):
+            results[i] = result
 
     def _elsewhere(self) -> bool:
         """Whether to stage in a staging process: for remote objects, from a process that
@@ -354,30 +475,36 @@ class _Round:
     for the GIL behind it (64 threads each doing all the work spent 0.5 ms per object in
     futex calls)."""
 
-    def __init__(self, stager: Stager, objects: Sequence[RemoteObject], tracker: _Progress) -> None:
+    def __init__(
+        self,
+        stager: Stager,
+        objects: Sequence[RemoteObject],
+        tracker: _Progress,
+        hold: Holding | None = None,
+        reads: Sequence[int] | None = None,
+    ) -> None:
         self.stager = stager
         self.cache = stager.cache
         self.objects = objects
+        self.hold = hold
+        self.reads = reads
+        self.holding: set[int] = set()  # fetched for the holding area, not the cache
         self.urls = [stager.manifest.object_url(o) for o in objects]
         self.tracker = tracker
         self.results: list[StageResult | None] = [None] * len(objects)
         self.locks: dict[int, FetchLock] = {}
         self.todo: collections.deque[int] = collections.deque(range(len(objects)))
         self.waiting: dict[int, float] = {}  # locked by another process: index -> deadline
-        self.work: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self.done: queue.SimpleQueue[_Fetched] = queue.SimpleQueue()
         self.stop = threading.Event()
         self.in_flight = 0
 
     def run(self) -> list[StageResult]:
         stager = self.stager
-        transport = stager.transport
-        throttle = _throttle_for(transport, stager.config)
-        getters = min(stager.config.jobs, len(self.objects))
-        for _ in range(getters):  # daemons: a process that exits mid-round must not wait
-            threading.Thread(
-                target=self._getter, args=(transport, throttle), daemon=True, name="fastload-get"
-            ).start()
+        self.transport = stager.transport
+        self.throttle = _throttle_for(self.transport, stager.config)
+        self.getters = _getters()
+        self.getters.grow(min(stager.config.jobs, len(self.objects)))
         ahead = 2 * stager.config.jobs  # objects locked and queued or in flight at most
         delay = 0.002
         try:
@@ -397,9 +524,7 @@ class _Round:
                 if self.waiting:
                     self._retry_waiting()
         finally:
-            self.stop.set()
-            for _ in range(getters):
-                self.work.put(None)
+            self.stop.set()  # what is still queued for the GET threads is dropped
             for lock in self.locks.values():
                 lock.release()
         return [r for r in self.results if r is not None]
@@ -416,9 +541,25 @@ class _Round:
         self._record(i, StageResult(url, "cached", where.size))
         return True
 
+    def _reads(self, i: int) -> int:
+        return 1 if self.reads is None else self.reads[i]
+
+    def _holds(self, i: int, size: int = 0) -> bool:
+        """Whether i, of size bytes, goes to the holding area if the cache turns it away
+        (not with 0 reads, nor if larger than the area)."""
+        return self.hold is not None and self._reads(i) > 0 and self.hold.fits(size)
+
+    def _held(self, i: int) -> bool:
+        """Whether i is in the holding area already (its reads are added)."""
+        if self.hold is None or not self.hold.expect(self.objects[i].key, self._reads(i)):
+            return False
+        obj = self.objects[i]
+        self._record(i, StageResult(self.urls[i], "held", obj.size or 0))
+        return True
+
     def _dispatch(self, i: int) -> None:
         """Looks i up; if it must be fetched and its lock is free, queues it for a GET."""
-        if self._cached(i):
+        if self._cached(i) or self._held(i):
             return
         lock = self.cache.try_fetch_lock(self.urls[i])
         if lock is None:
@@ -427,14 +568,19 @@ class _Round:
         self.locks[i] = lock
         obj = self.objects[i]
         # Whoever held the lock before us may have fetched it meanwhile.
-        if self._cached(i):
+        if self._cached(i) or self._held(i):
             self._release(i)
         elif obj.size is not None and not self.cache.would_admit(self.urls[i], obj.size):
+            if self._holds(i, obj.size):
+                self.holding.add(i)  # fetched all the same, its lock kept until it is held
+                self.in_flight += 1
+                self.getters.tasks.put((self, i))
+                return
             self._release(i)
             self._record(i, StageResult(self.urls[i], "skipped", 0, error="over the cache budget"))
         else:
             self.in_flight += 1
-            self.work.put(i)
+            self.getters.tasks.put((self, i))
 
     def _retry_waiting(self) -> None:
         now = time.monotonic()
@@ -474,6 +620,9 @@ class _Round:
                 self._record(i, StageResult(url, "failed", 0, item.attempts, item.data))
                 continue
             assert not isinstance(item.data, BaseException)  # raised above
+            if i in self.holding:
+                self._keep(i, item.data, item.attempts)
+                continue
             try:
                 part = self.cache.new_part(url)
                 part.write(item.data)  # discards itself on failure
@@ -482,25 +631,71 @@ class _Round:
                 break
             parts.append((i, part, self.objects[i].version))
         published = self.cache.publish_many([(part, version) for _, part, version in parts])
-        attempts = {item.index: item.attempts for item in batch}
+        fetched = {item.index: item for item in batch}
         for (i, part, _), where in zip(parts, published, strict=True):
+            item = fetched[i]
+            if where is None and self._holds(i):  # turned away at publication
+                self._keep(i, item.data, item.attempts)  # type: ignore[arg-type]
+                continue
             outcome: Outcome = "fetched" if where is not None else "skipped"
-            self._record(i, StageResult(self.urls[i], outcome, part.size, attempts[i]))
+            self._record(i, StageResult(self.urls[i], outcome, part.size, item.attempts))
         for item in batch:
             self._release(item.index)
         if failure is not None:
             raise failure
 
-    def _getter(self, transport: Transport, throttle: _Throttle) -> None:
-        """A GET thread: takes indices until told to stop."""
-        stager = self.stager
-        while (i := self.work.get()) is not None:
-            if self.stop.is_set():
-                continue
-            try:
-                data, attempts = stager._get_with_retries(
-                    self.objects[i], self.urls[i], transport, throttle
-                )
-                self.done.put(_Fetched(i, data, attempts))
-            except BaseException as exc:  # permanent: the round raises it
-                self.done.put(_Fetched(i, exc))
+    def _keep(self, i: int, data: Buffer, attempts: int) -> None:
+        """Puts fetched bytes the cache does not take into the holding area."""
+        assert self.hold is not None
+        nbytes = len(data)
+        if self.hold.put(self.objects[i].key, data, self._reads(i)):
+            self._record(i, StageResult(self.urls[i], "held", nbytes, attempts))
+        else:
+            error = "over the cache budget and the holding area's"
+            self._record(i, StageResult(self.urls[i], "skipped", 0, attempts, error))
+
+    def get(self, i: int) -> None:
+        """On a GET thread: fetches i and hands the answer to the round's thread."""
+        if self.stop.is_set():
+            return
+        try:
+            data, attempts = self.stager._get_with_retries(
+                self.objects[i], self.urls[i], self.transport, self.throttle
+            )
+            self.done.put(_Fetched(i, data, attempts))
+        except BaseException as exc:  # permanent: the round raises it
+            self.done.put(_Fetched(i, exc))
+
+
+class _GetThreads:
+    """This process's GET threads, kept across rounds: a round that started its own paid a
+    GIL hand-off per thread (``Thread.start`` waits for the thread to run), some 5 ms each
+    beside a training step that holds the GIL. Daemons: a process that exits mid-round
+    must not wait for them. The throttle, not their number, bounds requests in flight."""
+
+    def __init__(self) -> None:
+        self.tasks: queue.SimpleQueue[tuple[_Round, int]] = queue.SimpleQueue()
+        self._threads = 0
+        self._lock = threading.Lock()
+
+    def grow(self, count: int) -> None:
+        with self._lock:
+            for _ in range(count - self._threads):
+                threading.Thread(target=self._serve, daemon=True, name="fastload-get").start()
+                self._threads += 1
+
+    def _serve(self) -> None:
+        while True:
+            round_, i = self.tasks.get()
+            round_.get(i)
+
+
+_get_threads: dict[int, _GetThreads] = {}
+
+
+def _getters() -> _GetThreads:
+    with _shared_lock:
+        getters = _get_threads.get(os.getpid())  # threads do not survive fork
+        if getters is None:
+            getters = _get_threads[os.getpid()] = _GetThreads()
+        return getters

@@ -107,7 +107,8 @@ class StagingProcess:
             env=env,
         )
         assert process.stdin is not None
-        _send(process.stdin, self._settings)
+        with contextlib.suppress(OSError):  # it ended already: the round finds out and says so
+            _send(process.stdin, self._settings)
         return process
 
     def stage(

@@ -3,8 +3,10 @@
 Datasets (``fastload.datasets``) read every byte through a :class:`CachedStore`. It lists
 the dataset once (the manifest), and on each read serves the cached file, or fetches the
 object into the cache first, or, when the cache's policy turns the object away (a full
-``pin`` cache), reads it straight from the remote. It pickles to its settings only, so a
-DataLoader worker re-opens its own cache handle and filesystem after fork or spawn.
+``pin`` cache), serves it from memory if a loader fetched it ahead (its :class:`Holding`),
+else reads it straight from the remote. It pickles to its settings only, so a DataLoader
+worker re-opens its own cache handle, filesystem and (empty) holding area after fork or
+spawn.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import integrity_error, open_filesystem, public_url
-from fastload.stage import FetchConfig, Stager, StageResult
+from fastload.stage import FetchConfig, Holding, Stager, StageResult
+
+# Bytes held in memory for objects the cache turns away, unless FetchConfig.hold_bytes or a
+# loader (its look-ahead) says otherwise.
+DEFAULT_HOLD_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +46,7 @@ class CachedStore:
         self.config = config
         self._cache: Cache | None = None
         self._stager: Stager | None = None
+        self._holding: Holding | None = None
         self._pid = -1
         self._manifest = manifest
         self._by_key: dict[str, RemoteObject] | None = None
@@ -71,7 +78,16 @@ class CachedStore:
         c = self.config
         self._cache = Cache(c.cache_dir, max_bytes=c.max_bytes, policy=c.policy)
         self._stager = None
+        hold_bytes = c.fetch.hold_bytes
+        self._holding = Holding(DEFAULT_HOLD_BYTES if hold_bytes is None else hold_bytes)
         self._pid = os.getpid()
+
+    @property
+    def holding(self) -> Holding:
+        """This process's objects fetched ahead that the cache turned away."""
+        self._open()
+        assert self._holding is not None
+        return self._holding
 
     @property
     def stager(self) -> Stager:
@@ -113,9 +129,28 @@ class CachedStore:
     def object_keys(self) -> list[str]:
         return [o.key for o in self.manifest.objects]
 
-    def stage(self, keys: Sequence[str]) -> list[StageResult]:
-        """Fetches keys into the cache now, concurrently, in this order of priority."""
-        return self.stager.stage([self.object(k) for k in keys])
+    def stage(self, keys: Sequence[str], reads: Sequence[int] | None = None) -> list[StageResult]:
+        """Fetches keys into the cache now, concurrently, in this order of priority. With
+        ``reads`` (how many reads of each key are coming), what the cache turns away is
+        fetched too and held in memory for those reads (:meth:`held`)."""
+        objects = [self.object(k) for k in keys]
+        if reads is None or self.holding.max_bytes == 0:
+            return self.stager.stage(objects)
+        return self.stager.stage(objects, hold=self.holding, reads=reads)
+
+    @property
+    def holds_turned_away(self) -> bool:
+        """Whether objects the cache turns away (a full ``pin`` cache) are held in memory
+        when staged with their reads."""
+        c = self.config
+        return c.policy == "pin" and c.max_bytes is not None and self.holding.max_bytes > 0
+
+    def held(self, key: str, reads: int = 1) -> memoryview | None:
+        """key's bytes if they were fetched ahead into memory, counting ``reads`` reads of
+        them (the last expected one drops them); None if they are not held."""
+        if self._holding is None or self._pid != os.getpid():
+            return None
+        return self._holding.take(key, reads)
 
     def local_path(self, key: str) -> Location | None:
         """Where key's cached bytes are if it is cached (and current), without fetching."""
@@ -130,6 +165,9 @@ class CachedStore:
             with self.cache.use(url, version=obj.version) as where:
                 if where is not None:
                     return where.read(offset, length)
+            held = self.held(key)
+            if held is not None:
+                return bytes(held[offset : None if length is None else offset + length])
             (result,) = self.stager.stage([obj], here=True)  # the reader waits for it
             if result.outcome == "failed":
                 raise self.stager.failure(obj, result)
@@ -183,4 +221,5 @@ class CachedStore:
             self._cache.close()
         self._cache = None
         self._stager = None
+        self._holding = None
         self._pid = -1

@@ -54,7 +54,8 @@ its next batch, and whether what the two delivered is exactly the uninterrupted 
 same multiset of sample ids where the system's batches carry them, of labels (in order,
 for fastload, whose epochs are a pure function of seed and epoch) where they carry only
 labels, or the same count; the JSON's ``resume_check`` says which), the share of the epoch the
-training loop waited for data (it sleeps ``step_s`` per batch for the training step),
+training loop waited for data (after each batch it runs the training step, of ``step_s``),
+the share of the step's own time that the loader took from it (``step lost``),
 bytes and requests the server answered, CPU seconds of the process and its workers, its
 peak RSS (``VmHWM``) and the peak PSS of its whole process tree, workers included
 (sampled; shared pages counted once). An epoch stops after ``epoch_budget_s`` (its rate
@@ -63,6 +64,23 @@ that caches, which runs to its end so that its warm epochs are warm; ``--quick``
 those too, at ``cold_epoch_budget_s``, and the row says so.
 Each (system, layout) runs ``repeats`` times (systems taking turns within each repeat); the
 table gives the median of each figure, the JSON every repeat.
+
+The training step (``steps``; :class:`fastload.bench.runner.TrainingStep`): each system
+runs once with a step that sleeps (the GIL free: a step waiting on its GPU kernels) and
+once with one that holds the GIL (a pure-Python loop of as many iterations as take
+``step_s`` alone, measured once per run before any system starts, so every system's step
+does the same work: a real step's kernel dispatch, optimizer and logging). A loader
+working in the training process (threads, or its event loop) then takes turns with the
+step; one working in other processes does not, but on 2 cores the busy step also takes a
+core from it. ``step lost`` is the share of the step's wall time in which it could not run
+(its wall time less its thread's CPU time: its rate against its own rate alone; for the
+sleeping step, the time past its sleep, getting the GIL back): what the system took from
+it, the GIL and, on few cores, the CPU. The report also gives each system's rates with the
+GIL-holding step over its own with the sleeping one. ``--quick`` runs the sleeping step
+only (the GIL-holding one doubles the runs); ``--step-holds-gil`` adds it there,
+``--no-step-holds-gil`` leaves it out of the full run. Resume latency (a run without a
+step) is measured in the first step's run only.
+
 :mod:`fastload.bench.e2e_report` makes the table, the JSON and the chart.
 
 Command (full size: 3,000 images, 3 epochs, 20 ms latency, 100 MB/s per connection,
@@ -87,7 +105,7 @@ from fastload.bench import e2e_report, e2e_s3_peers
 from fastload.bench.e2e_data import DataConfig, GeneratedData, generate
 from fastload.bench.e2e_process import child_env, default_peers_python, probe_python, run_child
 from fastload.bench.e2e_report import LAYOUT_NAMES, Run
-from fastload.bench.runner import Report
+from fastload.bench.runner import STEP_KINDS, STEP_NAMES, Report, TrainingStep
 from fastload.testing import RemoteBehavior, S3FolderServer
 
 FASTLOAD = e2e_report.FASTLOAD
@@ -132,6 +150,9 @@ class E2EConfig:
     workers: int = 2  # threads for fastload, worker processes or threads for the peers
     epochs: int = 3  # the first is cold
     step_s: float = 0.02  # the simulated training step after each batch
+    # Each system runs once per step kind: "sleep" (the GIL free) and "gil" (a busy Python
+    # loop of step_s, as a real step holds the GIL); see runner.TrainingStep.
+    steps: tuple[str, ...] = STEP_KINDS
     latency_s: float = 0.02
     bandwidth_bytes_per_s: float | None = 100e6  # per connection; None: no cap
     size: int = 224
@@ -161,14 +182,22 @@ class E2EConfig:
             raise ValueError(f"systems must be among {sorted(PLAN)}, got {sorted(unknown)}")
         if not self.layouts or set(self.layouts) - set(LAYOUTS):
             raise ValueError(f"layouts must be among {LAYOUTS}, got {self.layouts}")
+        if (
+            not self.steps
+            or set(self.steps) - set(STEP_KINDS)
+            or len(set(self.steps)) < len(self.steps)
+        ):
+            raise ValueError(f"steps must be distinct among {STEP_KINDS}, got {self.steps}")
 
     @classmethod
     def quick(cls) -> E2EConfig:
         """About two and a half minutes on 2 cores: 600 images, folder and tar, a cold and a warm
-        epoch, one run each; the conversion peers (unless named in ``systems``) and Zarr are
-        left to the full run."""
+        epoch, one run each, with the sleeping step; the conversion peers (unless named in
+        ``systems``), Zarr and the GIL-holding step (which would double the time) are left to
+        the full run."""
         return cls(
             data=DataConfig(samples=600),
+            steps=("sleep",),
             epochs=2,
             repeats=1,
             epoch_budget_s=4.0,
@@ -177,6 +206,14 @@ class E2EConfig:
             layouts=("folder", "tar"),
             conversion_peers=False,
         )
+
+
+def steps_option(holds_gil: bool | None) -> tuple[str, ...] | None:
+    """``--step-holds-gil`` (True) or ``--no-step-holds-gil`` (False) as
+    :attr:`E2EConfig.steps`; None (neither given) keeps the configuration's own."""
+    if holds_gil is None:
+        return None
+    return STEP_KINDS if holds_gil else ("sleep",)
 
 
 def upload(server: S3FolderServer, local_dir: Path, prefix: str) -> int:
@@ -257,12 +294,21 @@ def _workers(config: E2EConfig) -> str:
     return f"{config.workers} worker{'s' if config.workers != 1 else ''}"
 
 
+def _steps(config: E2EConfig) -> str:
+    kinds = {"sleep": "sleeping", "gil": "holding the GIL"}
+    return f"a {config.step_s * 1000:g} ms step per batch: " + ", and ".join(
+        kinds[s] for s in config.steps
+    )
+
+
 def _slug(system: str, layout: str) -> str:
     name = "".join(c if c.isalnum() else "-" for c in f"{system}-{layout}".lower())
     return "-".join(filter(None, name.split("-")))
 
 
-def _spec(config: E2EConfig, system: str, layout: str, url: str, **more: Any) -> dict[str, Any]:
+def _spec(
+    config: E2EConfig, system: str, layout: str, step: str, url: str, **more: Any
+) -> dict[str, Any]:
     return {
         "system": system,
         "layout": layout,
@@ -270,24 +316,38 @@ def _spec(config: E2EConfig, system: str, layout: str, url: str, **more: Any) ->
         "batch_size": config.batch_size,
         "workers": config.workers,
         "epochs": config.epochs,
+        "step": step,
         "step_s": config.step_s,
         "epoch_budget_s": config.epoch_budget_s,
         "cold_budget_s": _cold_budget(config, system),
         "size": config.size,
         "seed": config.seed,
-        "resume": config.resume,
+        # Resuming runs no step: measured once, with the first step kind.
+        "resume": config.resume and step == config.steps[0],
         **more,
     }
 
 
-def _run_dir(work: Path, config: E2EConfig, system: str, layout: str, repeat: int) -> Path:
-    slug = _slug(system, layout)
+def _busy_iterations(config: E2EConfig) -> int | None:
+    """The GIL-holding step's work: as many iterations as take ``step_s`` alone here, now,
+    measured once per run so that every system's step does the same work (None: the run
+    has no such step)."""
+    if "gil" not in config.steps:
+        return None
+    return TrainingStep("gil", config.step_s).iterations
+
+
+def _run_dir(
+    work: Path, config: E2EConfig, system: str, layout: str, step: str, repeat: int
+) -> Path:
+    slug = _slug(system, layout) + ("" if step == "sleep" else f"-{step}")
     return work / (slug if config.repeats == 1 else f"{slug}-{repeat + 1}")
 
 
 def _measure(python: str, spec: dict[str, Any], run_dir: Path, server: S3FolderServer | None,
              config: E2EConfig, where: str) -> Run:  # fmt: skip
-    print(f"  {spec['system']} on {where} ...", end="", flush=True)
+    step = "" if spec["step"] == "sleep" else f", {STEP_NAMES[spec['step']]}"
+    print(f"  {spec['system']} on {where}{step} ...", end="", flush=True)
     one = run_child(python, spec, run_dir, server, config.run_timeout_s)
     print(f" {one.wall_s or 0:.1f} s, {one.status}", flush=True)
     if one.status == "ok":  # its caches and downloads; the log stays
@@ -328,6 +388,7 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
             local[kind] = work / kind
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             runs.append(Run(system, kind, "failed", f"its conversion failed: {e}"))
+    busy_iterations = _busy_iterations(config)  # before the server runs
     with S3FolderServer(work / "s3") as server:
         for prefix, path in local.items():  # before the knobs: no latency yet
             upload(server, path, prefix)
@@ -353,27 +414,31 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
                         continue
                     python = peers_python if system in PEERS_VENV_MODULES else sys.executable
                     assert python is not None
-                    run_dir = _run_dir(work, config, system, layout, repeat)
-                    spec = _spec(
-                        config,
-                        system,
-                        layout,
-                        f"s3://{BUCKET}/{layout}",
-                        storage_options=server.storage_options,
-                        endpoint_url=server.endpoint_url,
-                        work_dir=str(run_dir / "data"),
-                        samples=data.samples,
-                    )
-                    one = _measure(python, spec, run_dir, server, config, LAYOUT_NAMES[layout])
-                    one.prep_s = prep.get(system)
-                    one.repeat = repeat
-                    runs.append(one)
+                    for step in config.steps:
+                        run_dir = _run_dir(work, config, system, layout, step, repeat)
+                        spec = _spec(
+                            config,
+                            system,
+                            layout,
+                            step,
+                            f"s3://{BUCKET}/{layout}",
+                            storage_options=server.storage_options,
+                            endpoint_url=server.endpoint_url,
+                            work_dir=str(run_dir / "data"),
+                            samples=data.samples,
+                            step_iterations=busy_iterations,
+                        )
+                        where = LAYOUT_NAMES[layout]
+                        one = _measure(python, spec, run_dir, server, config, where)
+                        one.prep_s = prep.get(system)
+                        one.repeat = repeat
+                        runs.append(one)
                 no_zarr = "zarr" in config.layouts and data.zarr is not None
                 if system in NO_ZARR and no_zarr and repeat == 0:
                     runs.append(Run(system, "zarr", "skipped", NO_ZARR[system]))
     title = (
         f"fastload bench: {data.samples:,} JPEGs from S3 at {config.latency_s * 1000:g} ms "
-        f"per request, {_workers(config)}, batch {config.batch_size}"
+        f"per request, {_workers(config)}, batch {config.batch_size}, {_steps(config)}"
     )
     peers = {"python": peers_python, "modules": peer_versions} if peer_versions else None
     return e2e_report.build(asdict(config), title, data, runs, peers)
@@ -428,23 +493,27 @@ def run_url(
             }.get(system, "needs its own conversion first")
             runs.append(Run(system, layout, "skipped", f"{needs}; not run on a URL"))
             continue
+    busy_iterations = _busy_iterations(config)
     for repeat in range(config.repeats):
         for system in wanted:
             if system not in URL_SYSTEMS or layout not in PLAN[system]:
                 continue
-            run_dir = _run_dir(work, config, system, layout, repeat)
-            spec = _spec(
-                config,
-                system,
-                layout,
-                url,
-                storage_options=storage_options or {},
-                endpoint_url=None,
-                work_dir=str(run_dir / "data"),
-                samples=None,
-            )
-            one = _measure(sys.executable, spec, run_dir, None, config, url)
-            one.repeat = repeat
-            runs.append(one)
-    title = f"fastload bench {url} ({fmt}: {why}), {_workers(config)}"
+            for step in config.steps:
+                run_dir = _run_dir(work, config, system, layout, step, repeat)
+                spec = _spec(
+                    config,
+                    system,
+                    layout,
+                    step,
+                    url,
+                    storage_options=storage_options or {},
+                    endpoint_url=None,
+                    work_dir=str(run_dir / "data"),
+                    samples=None,
+                    step_iterations=busy_iterations,
+                )
+                one = _measure(sys.executable, spec, run_dir, None, config, url)
+                one.repeat = repeat
+                runs.append(one)
+    title = f"fastload bench {url} ({fmt}: {why}), {_workers(config)}, {_steps(config)}"
     return e2e_report.build({**asdict(config), "url": url}, title, None, runs, None)

@@ -2,11 +2,13 @@
 
 ``python -m fastload.bench.e2e_child run SPEC.json RESULT.json`` opens one system
 (:mod:`fastload.bench.e2e_peers`) on one layout of a dataset behind an S3 endpoint, runs
-its epochs as a training loop would (a simulated step after every batch), then, where the
-system offers it, saves its position mid-epoch and measures how long a fresh loader takes
-to deliver the next batch. The parent (:mod:`fastload.bench.e2e_bench`) counts the bytes
-its server sends at each mark this prints and samples memory; this process reports times,
-samples, CPU seconds and its peak RSS.
+its epochs as a training loop would (a simulated step after every batch: a sleep, or a
+busy Python loop that holds the GIL, ``runner.TrainingStep``, of the work the parent
+measured), then, where the system offers it, saves its position mid-epoch and measures how
+long a fresh loader takes to deliver the next batch. The parent
+(:mod:`fastload.bench.e2e_bench`) counts the bytes its server sends at each mark this
+prints and samples memory; this process reports times, samples, CPU seconds and its peak
+RSS.
 
 ``python -m fastload.bench.e2e_child convert mds|litdata FOLDER OUT WORKERS`` runs a
 peer's own conversion of an ImageFolder (mosaicml-streaming's ``MDSWriter``, litdata's
@@ -44,6 +46,7 @@ from fastload.bench.e2e_peers import (
     Opener,
     RunSpec,
 )
+from fastload.bench.runner import TrainingStep
 
 MARK = "@@fastload-e2e-mark "  # a line the parent snapshots the server's counters on
 
@@ -76,12 +79,19 @@ class _Tally:
 
 
 def _epoch(
-    loader: Loader, epoch: int | None, spec: RunSpec, start: float, budget_s: float | None
+    loader: Loader,
+    epoch: int | None,
+    step: TrainingStep,
+    start: float,
+    budget_s: float | None,
 ) -> dict[str, Any]:
-    """Iterate as training does: wait for a batch, then a simulated step of ``step_s``.
-    An epoch past ``budget_s`` (None: no budget) stops after its current batch. ``"ids"``
-    holds what the batches identified their samples by (None where they gave counts)."""
+    """Iterate as training does: wait for a batch, then the simulated ``step``. An epoch
+    past ``budget_s`` (None: no budget) stops after its current batch. ``"ids"`` holds
+    what the batches identified their samples by (None where they gave counts);
+    ``"step_s"`` what the steps took, ``"step_waited_s"`` the part of it in which they
+    could not run (the loader had the GIL or the core)."""
     batches = loader.batches(epoch)
+    stepped, waited = step.spent_s, step.waited_s
     tally = _Tally()
     count = 0
     wait_s = 0.0
@@ -99,7 +109,7 @@ def _epoch(
             first = now - start if first is None else first
             tally.add(batch)
             count += 1
-            time.sleep(spec.step_s)
+            step()
             if budget_s is not None and time.perf_counter() - start > budget_s:
                 partial = True
                 break
@@ -111,6 +121,8 @@ def _epoch(
         "samples": tally.samples,
         "batches": count,
         "wait_s": wait_s,
+        "step_s": step.spent_s - stepped,
+        "step_waited_s": step.waited_s - waited,
         "first_batch_s": first,
         "partial": partial,
         "ids": tally.ids,
@@ -233,17 +245,25 @@ def measure(spec: RunSpec) -> dict[str, Any]:
     for module in IMPORTS[spec.system]:
         with contextlib.suppress(ImportError):  # the system's own import says what is missing
             importlib.import_module(module)
+    # A busy step's work as the parent measured it, and its rate alone in this interpreter
+    # (for the JSON), measured before any loader runs.
+    step = TrainingStep(spec.step, spec.step_s, iterations=spec.step_iterations)
     cpu_self, cpu_kids = _cpu_s()
     start = time.perf_counter()
     loader = open_loader(spec, None)
     open_s = time.perf_counter() - start
-    epochs = [_epoch(loader, 0, spec, start, spec.cold_budget_s)]
+    epochs = [_epoch(loader, 0, step, start, spec.cold_budget_s)]
     epochs[0]["wait_s"] += open_s  # the training loop waits for the set-up too
     mark("epoch 0")
     for e in range(1, spec.epochs):
-        epochs.append(_epoch(loader, e, spec, time.perf_counter(), spec.epoch_budget_s))
+        epochs.append(_epoch(loader, e, step, time.perf_counter(), spec.epoch_budget_s))
         mark(f"epoch {e}")
-    result: dict[str, Any] = {"open_s": open_s, "epochs": epochs, "samples": loader.samples}
+    result: dict[str, Any] = {
+        "open_s": open_s,
+        "epochs": epochs,
+        "samples": loader.samples,
+        "step": step.record(),
+    }
     if spec.resume:
         result.update(_resume(open_loader, spec, loader, dict(epochs[-1])))
         mark("resume")

@@ -71,6 +71,8 @@ class RunSpec:
     size: int
     seed: int
     resume: bool
+    step: str = "sleep"  # the training step: sleep, or gil (runner.TrainingStep)
+    step_iterations: int | None = None  # the gil step's work (None: measured in the child)
     samples: int | None = None  # known size of the dataset (None: the system finds out)
     labels: dict[str, int] = field(default_factory=dict)  # class folder -> index
 

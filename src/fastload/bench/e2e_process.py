@@ -80,7 +80,7 @@ def run_child(
     """Runs ``e2e_child run`` for spec with ``python``, in a process of its own; counts
     what the server sent at each of its marks and samples its memory. Never raises for
     the child's failures: the run says what went wrong and where its log is."""
-    run = Run(system=spec["system"], layout=spec["layout"])
+    run = Run(system=spec["system"], layout=spec["layout"], step=spec.get("step", "sleep"))
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     # The spec holds the run's storage_options (a user's credentials with `bench URL`): only

@@ -1,13 +1,16 @@
 """The end-to-end benchmark's report: figures per run, ratios, the table, JSON and a chart.
 
-Each (system, layout) may be measured several times (``repeats``); its row gives the median
-of each figure over the repeats that ran, and the JSON keeps every repeat."""
+Each (system, layout, training step) may be measured several times (``repeats``); its row
+gives the median of each figure over the repeats that ran, and the JSON keeps every repeat.
+Ratios between systems are taken with the same step; each system's rates with the
+GIL-holding step are also set against its own with the sleeping step."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import statistics
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -17,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from fastload.bench.e2e_data import GeneratedData
-from fastload.bench.runner import Measurement, Report, machine_info
+from fastload.bench.runner import STEP_NAMES, Measurement, Report, machine_info, step_lost
 
 FASTLOAD = "fastload"
 LAYOUT_NAMES = {
@@ -27,6 +30,7 @@ LAYOUT_NAMES = {
     "mds": "MDS (from folder)",
     "litdata": "litdata (from folder)",
 }
+STEP_LABELS = {"sleep": "sleep", "gil": "GIL"}  # the table's step column
 LAYOUT_DESCRIPTIONS = {
     "folder": "ImageFolder of the JPEGs",
     "tar": "WebDataset tar shards (.jpg + .cls), shuffled order",
@@ -38,7 +42,7 @@ LAYOUT_DESCRIPTIONS = {
 
 @dataclass
 class Run:
-    """One (system, layout): what the child measured, and what the parent saw of it."""
+    """One (system, layout, step): what the child measured, and what the parent saw of it."""
 
     system: str
     layout: str
@@ -53,14 +57,16 @@ class Run:
     prep_s: float | None = None  # conversion (mosaicml-streaming, litdata)
     wall_s: float | None = None
     repeat: int = 0  # which measurement of this (system, layout), from 0
+    step: str = "sleep"  # the training step's kind (runner.TrainingStep)
 
 
 @dataclass
 class Row:
-    """Every repeat of one (system, layout): the table's row gives their medians."""
+    """Every repeat of one (system, layout, step): the table's row gives their medians."""
 
     system: str
     layout: str
+    step: str
     runs: list[Run]
 
     @property
@@ -81,10 +87,11 @@ class Row:
 
 
 def rows(runs: Sequence[Run]) -> list[Row]:
-    """The runs grouped by (system, layout), in the order each first appears."""
-    found: dict[tuple[str, str], Row] = {}
+    """The runs grouped by (system, layout, step), in the order each first appears."""
+    found: dict[tuple[str, str, str], Row] = {}
     for r in runs:
-        found.setdefault((r.system, r.layout), Row(r.system, r.layout, [])).runs.append(r)
+        row = found.setdefault((r.system, r.layout, r.step), Row(r.system, r.layout, r.step, []))
+        row.runs.append(r)
     return list(found.values())
 
 
@@ -122,6 +129,10 @@ def figures(run: Run) -> dict[str, Any]:
         seconds = sum(e["seconds"] for e in es)
         return sum(e["wait_s"] for e in es) / seconds if es and seconds > 0 else None
 
+    def lost(es: list[dict[str, Any]]) -> float | None:
+        waited = sum(e.get("step_waited_s", 0.0) for e in es)
+        return step_lost(waited, sum(e.get("step_s", 0.0) for e in es))
+
     prep = run.prep_s
     return {
         "cold_samples_per_s": rate([cold]) if cold else None,
@@ -131,6 +142,8 @@ def figures(run: Run) -> dict[str, Any]:
         "resume_exact": r.get("resume_exact"),
         "wait_fraction_cold": wait([cold]) if cold else None,
         "wait_fraction_warm": wait(warm),
+        "step_lost_cold": lost([cold]) if cold else None,
+        "step_lost_warm": lost(warm),
         "remote_bytes": run.remote_bytes,
         "remote_requests": run.remote_requests,
         "cpu_s": r.get("cpu_s"),
@@ -164,7 +177,9 @@ def _note(row: Row) -> str:
     if f["warm_epochs_cut"]:
         parts.append(f"{f['warm_epochs_cut']} warm epoch(s) stopped at the time budget")
     resume = run.result
-    if resume.get("resume_note"):
+    if resume.get("resume_note") == "not measured" and row.step != "sleep":
+        parts.append("resume measured with the sleeping step")
+    elif resume.get("resume_note"):
         parts.append(str(resume["resume_note"]))
     elif f["resume_exact"] is False:
         bad = next(r.result for r in row.ok if r.result.get("resume_exact") is False)
@@ -181,6 +196,12 @@ def _note(row: Row) -> str:
     elif resume.get("resume_check") in ("labels", "labels in order"):
         parts.append(f"resume checked by {resume['resume_check']} (batches carry no sample ids)")
     return "; ".join(parts)
+
+
+def case_name(layout: str, step: str) -> str:
+    """A layout's name, with the step where it is not the sleeping one."""
+    name = LAYOUT_NAMES.get(layout, layout)
+    return name if step == "sleep" else f"{name}, {STEP_NAMES.get(step, step)}"
 
 
 def _measurement(row: Row) -> Measurement:
@@ -200,6 +221,7 @@ def _measurement(row: Row) -> Measurement:
         "wait % warm": None
         if f.get("wait_fraction_warm") is None
         else 100 * f["wait_fraction_warm"],
+        "step lost % warm": None if f.get("step_lost_warm") is None else 100 * f["step_lost_warm"],
         "remote MB": None if f.get("remote_bytes") is None else f["remote_bytes"] / 1e6,
         "CPU s": f.get("cpu_s"),
         "peak RSS MB": None if f.get("peak_rss_bytes") is None else f["peak_rss_bytes"] / 1e6,
@@ -207,7 +229,7 @@ def _measurement(row: Row) -> Measurement:
     }
     return Measurement(
         benchmark="e2e",
-        case=LAYOUT_NAMES.get(row.layout, row.layout),
+        case=case_name(row.layout, row.step),
         system=row.system,
         seconds=seconds,
         repeats=warm_s,
@@ -218,22 +240,28 @@ def _measurement(row: Row) -> Measurement:
 
 
 def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
-    """fastload's figures over each peer's (medians over repeats): on the same layout, and
-    for the conversion peers against fastload on the folder they were converted from."""
+    """fastload's figures over each peer's (medians over repeats), with the same training
+    step: on the same layout, and for the conversion peers against fastload on the folder
+    they were converted from."""
     grouped = rows(runs)
-    fast = {r.layout: r.figures() for r in grouped if r.system == FASTLOAD and r.status == "ok"}
+    fast = {
+        (r.layout, r.step): r.figures()
+        for r in grouped
+        if r.system == FASTLOAD and r.status == "ok"
+    }
     out = []
     for r in grouped:
         if r.system == FASTLOAD or r.status != "ok":
             continue
         base_layout = "folder" if r.layout in ("mds", "litdata") else r.layout
-        mine, theirs = fast.get(base_layout), r.figures()
+        mine, theirs = fast.get((base_layout, r.step)), r.figures()
         if mine is None:
             continue
         entry: dict[str, Any] = {
             "peer": r.system,
             "layout": r.layout,
             "fastload_layout": base_layout,
+            "step": r.step,
         }
         for key in ("warm_samples_per_s", "cold_samples_per_s"):
             a, b = mine[key], theirs[key]
@@ -244,18 +272,66 @@ def ratios(runs: Sequence[Run]) -> list[dict[str, Any]]:
     return out
 
 
+def gil_vs_sleep(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Each system's rates with the GIL-holding step over its own with the sleeping step
+    (medians over repeats), on each layout measured with both, and the share of the
+    GIL-holding step's time the system took from it."""
+    grouped = rows(runs)
+    sleeping = {(r.system, r.layout): r.figures() for r in grouped if r.step == "sleep"}
+    out = []
+    for r in grouped:
+        base = sleeping.get((r.system, r.layout))
+        if r.step != "gil" or r.status != "ok" or not base:
+            continue
+        busy = r.figures()
+        entry: dict[str, Any] = {"system": r.system, "layout": r.layout}
+        for key in ("warm_samples_per_s", "cold_samples_per_s"):
+            a, b = busy[key], base[key]
+            entry[key] = a / b if a and b else None
+        entry["step_lost_warm"] = busy["step_lost_warm"]
+        entry["step_lost_cold"] = busy["step_lost_cold"]
+        out.append(entry)
+    return out
+
+
+def gil_lines(report: Report) -> list[str]:
+    """A line per system run with both steps: what holding the GIL in the step cost it,
+    under a line saying what that includes on this machine's cores."""
+    entries = report.params.get("gil_vs_sleep", [])
+    cores = report.machine.get("usable_cores") or report.machine.get("cores")
+    lines = [
+        f"With the GIL-holding step, each system's rates over its own with the sleeping step "
+        f"(on {cores or '?'} cores the busy step keeps one busy, so what a system took from "
+        "it is the GIL its threads held and the CPU its threads and processes used):"
+    ]
+    for e in entries:
+        text = f"  {e['system']} ({LAYOUT_NAMES.get(e['layout'], e['layout'])}): "
+        text += ", ".join(_rate_ratios(e))
+        if e.get("step_lost_warm") is not None:
+            text += f"; it took {100 * e['step_lost_warm']:.0f}% of the step's time (warm)"
+        lines.append(text)
+    return lines if entries else []
+
+
+def _rate_ratios(entry: dict[str, Any]) -> list[str]:
+    """'warm 1.20x', 'cold 0.90x' from a ratio entry, where it has them."""
+    return [
+        f"{label} {entry[key]:.2f}x"
+        for key, label in (("warm_samples_per_s", "warm"), ("cold_samples_per_s", "cold"))
+        if entry.get(key)
+    ]
+
+
 def ratio_lines(report: Report) -> list[str]:
-    """A line per peer: fastload's warm and cold samples/s over the peer's."""
+    """A line per peer and step: fastload's warm and cold samples/s over the peer's."""
     lines = []
     for e in report.params.get("ratios", []):
         where = LAYOUT_NAMES.get(e["layout"], e["layout"])
         if e["layout"] != e["fastload_layout"]:
             where += f" vs fastload on {e['fastload_layout']}"
-        parts = [
-            f"{label} {e[key]:.2f}x"
-            for key, label in (("warm_samples_per_s", "warm"), ("cold_samples_per_s", "cold"))
-            if e.get(key)
-        ]
+        if e.get("step", "sleep") != "sleep":
+            where += f", {STEP_NAMES.get(e['step'], e['step'])}"
+        parts = _rate_ratios(e)
         if e.get("first_batch_speedup"):
             parts.append(f"first batch {e['first_batch_speedup']:.1f}x sooner")
         lines.append(f"fastload vs {e['peer']} ({where}): " + ", ".join(parts))
@@ -264,8 +340,8 @@ def ratio_lines(report: Report) -> list[str]:
 
 def table(report: Report) -> str:
     headers = [
-        "layout", "system", "cold/s", "warm/s", "1st batch s", "resume s", "wait %",
-        "remote MB", "CPU s", "RSS MB", "PSS MB", "prep s", "note",
+        "layout", "system", "step", "cold/s", "warm/s", "1st batch s", "resume s", "wait %",
+        "step lost %", "remote MB", "CPU s", "RSS MB", "PSS MB", "prep s", "note",
     ]  # fmt: skip
     body = []
     for run in report.params["runs"]:
@@ -279,11 +355,13 @@ def table(report: Report) -> str:
             [
                 LAYOUT_NAMES.get(run["layout"], run["layout"]),
                 run["system"],
+                STEP_LABELS.get(run.get("step", "sleep"), "") if run["status"] == "ok" else "",
                 num("cold_samples_per_s", ",.0f"),
                 num("warm_samples_per_s", ",.0f"),
                 num("first_batch_s", ".2f"),
                 num("resume_s", ".2f") or ("n/a" if run["status"] == "ok" else ""),
                 num("wait_fraction_warm", ".0f", 100),
+                num("step_lost_warm", ".0f", 100),
                 num("remote_bytes", ",.0f", 1e-6),
                 num("cpu_s", ".1f"),
                 num("peak_rss_bytes", ",.0f", 1e-6),
@@ -312,7 +390,7 @@ def chart(report: Report, path: Path) -> str:
     runs = [r for r in report.params["runs"] if r["status"] == "ok"]
     if not runs:
         return "no chart: no system ran"
-    labels = [f"{r['system']}\n{LAYOUT_NAMES.get(r['layout'], r['layout'])}" for r in runs]
+    labels = [f"{r['system']}\n{case_name(r['layout'], r.get('step', 'sleep'))}" for r in runs]
     cold = [r["figures"]["cold_samples_per_s"] or 0 for r in runs]
     warm = [r["figures"]["warm_samples_per_s"] or 0 for r in runs]
     y = np.arange(len(runs))
@@ -320,15 +398,21 @@ def chart(report: Report, path: Path) -> str:
     ours = [r["system"] == FASTLOAD for r in runs]  # fastload in orange, peers in blue
     light = ["#fdae6b" if mine else "#9ecae1" for mine in ours]
     dark = ["#e6550d" if mine else "#3182bd" for mine in ours]
-    ax.barh(y - 0.2, cold, 0.4, color=light)
-    ax.barh(y + 0.2, warm, 0.4, color=dark)
+    hatch = ["//" if r.get("step") == "gil" else "" for r in runs]  # the GIL-holding step
+    ax.barh(y - 0.2, cold, 0.4, color=light, hatch=hatch, edgecolor="white")
+    ax.barh(y + 0.2, warm, 0.4, color=dark, hatch=hatch, edgecolor="white")
     ax.set_yticks(y, labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(f"samples/s (train preset, batch {report.params['batch_size']})")
-    ax.set_title(report.params.get("title", "fastload bench"), fontsize=10)
+    title = textwrap.fill(report.params.get("title", "fastload bench"), 100)
+    ax.set_title(title, fontsize=9)
     patches: Any = importlib.import_module("matplotlib.patches")
     keys = [("#bdbdbd", "cold epoch (empty cache)"), ("#636363", "warm epochs")]
     handles = [patches.Patch(color=c, label=text) for c, text in keys]
+    if any(hatch):
+        gil = patches.Patch(facecolor="#bdbdbd", hatch="//", edgecolor="white")
+        gil.set_label("GIL-holding step")
+        handles.append(gil)
     ax.legend(handles=handles, loc="lower right", fontsize=8, title="fastload orange, peers blue")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
@@ -372,6 +456,7 @@ def build(
             {
                 "system": row.system,
                 "layout": row.layout,
+                "step": row.step,
                 "status": row.status,
                 "note": _note(row),
                 "figures": row.figures(),  # medians over the repeats that ran
@@ -391,6 +476,7 @@ def build(
             for row in grouped
         ],
         "ratios": ratios(runs),
+        "gil_vs_sleep": gil_vs_sleep(runs),
     }
     measurements = [_measurement(row) for row in grouped]
     return Report(name="e2e", rows=measurements, machine=machine, params=params)
@@ -400,6 +486,7 @@ def _details(r: Run) -> dict[str, Any]:
     return {
         "epochs": r.result.get("epochs", []),
         "open_s": r.result.get("open_s"),
+        "training_step": r.result.get("step"),  # its kind, its work, its rate alone
         "delivers": r.result.get("delivers"),
         "resume": {k: v for k, v in r.result.items() if k.startswith("resume")},
         "marks": r.marks,
@@ -422,6 +509,9 @@ def write(report: Report, out_dir: str | os.PathLike[str], *, with_chart: bool =
 
 
 def summary(report: Report) -> str:
-    """The table, then the ratio lines."""
+    """The table, then the ratio lines, then what the GIL-holding step cost each system."""
     parts = [report.params["title"], table(report), "", *ratio_lines(report)]
+    gil = gil_lines(report)
+    if gil:
+        parts += ["", *gil]
     return "\n".join(parts)

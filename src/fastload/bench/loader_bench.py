@@ -20,8 +20,10 @@ Every system runs in a Python process of its own (so its memory figures are its 
 case's processes start together, make their loaders, then take turns epoch by epoch, so
 drift on a shared machine hits them alike: ``epochs`` rounds with a simulated training
 step after each batch (``step``: ``time.sleep(step_ms)``, or as many 256 x 256 matmuls as
-took ``step_ms`` in the parent before any system started), then ``repeats`` rounds
-without. Figures per system:
+took ``step_ms`` in the parent before any system started), then, with
+``step_holds_gil``, ``epochs`` rounds with a step that holds the GIL (a pure-Python loop of
+as many iterations as took ``step_ms`` alone in the parent, ``runner.TrainingStep``), then
+``repeats`` rounds without. Figures per system:
 
 * items/s: samples per second of the epochs without a step (median of ``repeats``);
   ``ratio`` is that over the case's reference (a torch DataLoader peer).
@@ -32,7 +34,16 @@ without. Figures per system:
   ``fl.DataLoader.stats()["wait_fraction"]`` says after the same epochs (its clock runs
   inside ``__next__``; everything between two calls, that free included, is the step).
 * ``step_ms``: the step as measured, per batch: above ``step_ms`` where the loader's
-  threads or processes slow the training loop down (the GIL, the cores).
+  threads or processes slow the training loop down (the GIL, the cores);
+  ``step_samples_per_s``: samples per second of the epochs with the step.
+* with the GIL-holding step, beside those of the step above: ``gil_samples_per_s``,
+  ``gil_ratio`` (that over the reference's, with the same step), ``gil_vs_step`` (that over
+  the system's own rate with the step above: what holding the GIL in the step costs it),
+  ``gil_wait_frac``, and ``gil_step_lost``: the share of the step's wall time in which it
+  could not run (its wall time less its thread's CPU time: its rate against its own rate
+  alone), i.e. what the loader took from it: threads in the training process take the
+  GIL; worker processes do not, but on 2 cores the busy step also needs a core, so they
+  take that instead (both count: this is what the step lost).
 * ``peak_rss_mb`` and ``peak_pss_mb``: the largest resident (RSS) and proportional (PSS:
   shared pages split between the processes sharing them) memory of the whole process
   tree (the training process plus its DataLoader workers), sampled every
@@ -79,10 +90,12 @@ from fastload.bench import decode_bench, zarr_bench
 from fastload.bench.runner import (
     Measurement,
     Report,
+    TrainingStep,
     cpu_seconds,
     process_tree,
     pss_bytes,
     relate,
+    step_lost,
 )
 from fastload.decode.params import TrainPreset
 
@@ -119,6 +132,7 @@ class LoaderBenchConfig:
     repeats: int = 3  # epochs without a step after those: samples/s (median)
     step: Literal["sleep", "matmul"] = "sleep"
     step_ms: float = 20.0  # the simulated training step per batch
+    step_holds_gil: bool = True  # also `epochs` epochs with a step that holds the GIL
     cases: tuple[str, ...] = CASES
     memory_samples: int = 8192
     memory_shape: tuple[int, ...] = (3, 64, 64)
@@ -158,7 +172,8 @@ class LoaderBenchConfig:
 
     @classmethod
     def quick(cls) -> LoaderBenchConfig:
-        return cls(memory_samples=2048, images=320, zarr_rows=1024)
+        """Small sizes, the configured step only (the GIL-holding one is in the full run)."""
+        return cls(memory_samples=2048, images=320, zarr_rows=1024, step_holds_gil=False)
 
 
 # --- data (made by the parent, before any system runs) ----------------------------------------
@@ -347,7 +362,7 @@ def _training_step(config: LoaderBenchConfig, matmuls: int) -> Callable[[], None
     """The simulated step: a sleep, or ``matmuls`` matmuls (the cores, as a CPU step uses)."""
     seconds = config.step_ms / 1000
     if config.step == "sleep":
-        return lambda: time.sleep(seconds)
+        return TrainingStep("sleep", seconds)
     a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE)
 
     def step() -> None:
@@ -430,16 +445,30 @@ class SystemRun:
             "zarr": self.config.zarr_rows,
         }[self.case]
         self.step = _training_step(self.config, int(spec["data"].get("matmuls", 0)))
+        self.gil_step = None  # the same work in every system: calibrated by the parent
+        if "gil_rate" in spec["data"]:
+            self.gil_step = TrainingStep(
+                "gil",
+                self.config.step_ms / 1000,
+                iterations=spec["data"]["gil_iterations"],
+                alone_rate=spec["data"]["gil_rate"],
+            )
         self.memory = MemorySampler(self.config.memory_interval_s)
         start = time.perf_counter()
         self.loader = _loader(spec)
         self.startup_s = time.perf_counter() - start
 
-    def epoch(self, *, with_step: bool) -> dict[str, Any]:
-        """One pass over the loader, with the training step after each batch or without;
-        where the loop waited and the epoch's peak memory."""
-        step = self.step if with_step else None
+    def epoch(self, step_kind: str | None) -> dict[str, Any]:
+        """One pass over the loader, with a training step after each batch (``"gil"``: the
+        GIL-holding one; any other: the configured one) or without (None); where the loop
+        waited and the epoch's peak memory."""
+        step = None if step_kind is None else self.step
+        if step_kind == "gil":
+            if self.gil_step is None:
+                raise ValueError("a GIL-holding step was asked for, but none was calibrated")
+            step = self.gil_step
         samples, stepping, waiting, first_s, end_s = 0, 0.0, 0.0, 0.0, 0.0
+        waited_before = getattr(step, "waited_s", 0.0)  # a TrainingStep's time not running
         self.memory.begin()
         cpu_before = cpu_seconds(process_tree(os.getpid()))
         start = time.perf_counter()
@@ -470,6 +499,7 @@ class SystemRun:
         return {
             "seconds": seconds,
             "step_s": stepping,
+            "step_waited_s": getattr(step, "waited_s", 0.0) - waited_before,
             "samples": samples,
             "batches_s": waiting,  # inside next() for a batch
             # CPU seconds of the process tree (workers too), sleeping steps cost none
@@ -509,8 +539,9 @@ _REPLY = "loader-bench-reply "
 
 def child_main() -> None:
     """A system's process: builds its loader, then answers the parent's commands (one JSON
-    line each on stdin: ``{"do": "epoch", "step": true}`` or ``{"do": "finish"}``) with one
-    JSON line each. Anything else written to stdout goes to stderr instead."""
+    line each on stdin: ``{"do": "epoch", "step": "sleep" | "matmul" | "gil" | null}`` or
+    ``{"do": "finish"}``) with one JSON line each. Anything else written to stdout goes to
+    stderr instead."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
 
@@ -525,7 +556,7 @@ def child_main() -> None:
         if command["do"] == "finish":
             reply(system.finish())
             return
-        reply(system.epoch(with_step=bool(command["step"])))
+        reply(system.epoch(command["step"]))
 
 
 class _Child:
@@ -606,7 +637,7 @@ def _measure_case(
 ) -> dict[str, dict[str, Any]]:
     """Every system of ``case`` in a process of its own, all started at once, then taking
     turns epoch by epoch (drift on a shared machine hits them alike): ``epochs`` rounds
-    with the step, ``repeats`` without."""
+    with the step, as many with the GIL-holding one where asked, ``repeats`` without."""
     children: dict[str, _Child] = {}
     try:
         for system in SYSTEMS[case]:
@@ -614,12 +645,15 @@ def _measure_case(
             children[system] = _Child(spec, config.timeout_s)
         for child in children.values():
             child.ask(None)  # its loader is made
-        results: dict[str, dict[str, Any]] = {s: {"epochs": [], "plain": []} for s in children}
-        rounds = [True] * config.epochs + [False] * config.repeats
-        for with_step in rounds:
+        kinds = {config.step: "epochs", "gil": "gil_epochs", None: "plain"}
+        results: dict[str, dict[str, Any]] = {s: {k: [] for k in kinds.values()} for s in children}
+        rounds: list[str | None] = [config.step] * config.epochs
+        rounds += ["gil"] * (config.epochs if config.step_holds_gil else 0)
+        rounds += [None] * config.repeats
+        for kind in rounds:
             for system, child in children.items():
-                answer = child.ask({"do": "epoch", "step": with_step})
-                results[system]["epochs" if with_step else "plain"].append(answer)
+                answer = child.ask({"do": "epoch", "step": kind})
+                results[system][kinds[kind]].append(answer)
         for system, child in children.items():
             results[system].update(child.ask({"do": "finish"}))
         return results
@@ -647,17 +681,60 @@ def _case_title(case: str, config: LoaderBenchConfig) -> str:
     return f"{_CASE_TITLES[case]} ({detail})"
 
 
-def _row(case: str, title: str, system: str, result: dict[str, Any], nbytes: int) -> Measurement:
+def _with_step(epochs: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
+    """What epochs with a step after each batch show: samples/s, the share of the time
+    the loop waited outside the step, the step as measured (seconds per batch), and the
+    share of the step's time in which it could not run (``runner.step_lost``; None for
+    a step that does not count it)."""
+    wall = sum(e["seconds"] for e in epochs)
+    stepping = sum(e["step_s"] for e in epochs)
+    batches = sum(-(-e["samples"] // batch_size) for e in epochs)
+    return {
+        "samples_per_s": sum(e["samples"] for e in epochs) / wall if wall > 0 else 0.0,
+        "wait_frac": 1 - stepping / wall if wall > 0 else 0.0,
+        "step_s": stepping / batches if batches else 0.0,
+        "step_lost": step_lost(sum(e.get("step_waited_s", 0.0) for e in epochs), stepping),
+    }
+
+
+def _gil_figures(
+    result: dict[str, Any], step: dict[str, Any], reference_gil: float | None
+) -> dict[str, float]:
+    """The GIL-holding step's figures of one system, beside those of its configured step."""
+    gil = _with_step(result["gil_epochs"], result["batch_size"])
+    extra = {
+        "gil_samples_per_s": round(gil["samples_per_s"], 1),
+        "gil_vs_step": round(gil["samples_per_s"] / step["samples_per_s"], 3),
+        "gil_wait_frac": round(gil["wait_frac"], 4),
+    }
+    if reference_gil:
+        extra["gil_ratio"] = round(gil["samples_per_s"] / reference_gil, 3)
+    if gil["step_lost"] is not None:
+        extra["gil_step_lost"] = round(gil["step_lost"], 4)
+    return extra
+
+
+def _row(
+    case: str,
+    title: str,
+    system: str,
+    result: dict[str, Any],
+    nbytes: int,
+    reference_gil: float | None,
+) -> Measurement:
     step_epochs, plain = result["epochs"], result["plain"]
-    wall = sum(e["seconds"] for e in step_epochs)
-    stepping = sum(e["step_s"] for e in step_epochs)
     samples = step_epochs[0]["samples"]
-    batches = -(-samples // result["batch_size"]) * len(step_epochs)
-    extra: dict[str, float] = {"wait_frac": round(1 - stepping / wall, 4) if wall > 0 else 0.0}
+    step = _with_step(step_epochs, result["batch_size"])
+    extra: dict[str, float] = {"wait_frac": round(step["wait_frac"], 4)}
     fl_stats = step_epochs[-1]["stats"]
     if fl_stats is not None:
         extra["stats_wait_frac"] = round(float(fl_stats["wait_fraction"]), 4)
-    extra["step_ms"] = round(stepping / batches * 1000, 2)  # the step as measured, per batch
+    extra["step_ms"] = round(step["step_s"] * 1000, 2)  # the step as measured, per batch
+    extra["step_samples_per_s"] = round(step["samples_per_s"], 1)
+    if step["step_lost"] is not None:  # the sleeping step: time past its sleep
+        extra["step_lost"] = round(step["step_lost"], 4)
+    if result["gil_epochs"]:
+        extra.update(_gil_figures(result, step, reference_gil))
     extra["peak_rss_mb"] = round(result["peak_rss"] / MB)
     extra["peak_pss_mb"] = round(result["peak_pss"] / MB)
     peaks = [e["peak_rss"] for e in step_epochs]
@@ -689,6 +766,9 @@ def run(data_dir: str | os.PathLike[str], config: LoaderBenchConfig | None = Non
     data = _prepare(Path(data_dir), config)
     if config.step == "matmul":
         data["matmuls"] = matmuls_for(config.step_ms)
+    if config.step_holds_gil:
+        gil_step = TrainingStep("gil", config.step_ms / 1000)  # its rate alone, before any system
+        data.update(gil_iterations=gil_step.iterations, gil_rate=gil_step.alone_rate)
     report = Report(name="loader", params={**asdict(config), "data_dir": str(data_dir)})
     # Per case and system, everything its process answered: each epoch's timings, edges,
     # peak RSS and the machine's load, and for fastload its stats() after every epoch.
@@ -700,8 +780,12 @@ def run(data_dir: str | os.PathLike[str], config: LoaderBenchConfig | None = Non
         for result in results.values():
             result["batch_size"] = config.batch_size
         details[case] = results
+        reference = results[SYSTEMS[case][0]]
+        reference_gil = None
+        if reference["gil_epochs"]:
+            reference_gil = _with_step(reference["gil_epochs"], config.batch_size)["samples_per_s"]
         measured = [
-            _row(case, title, system, result, data["nbytes"][case])
+            _row(case, title, system, result, data["nbytes"][case], reference_gil)
             for system, result in results.items()
         ]
         rows += relate(measured, SYSTEMS[case][0])

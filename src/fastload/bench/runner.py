@@ -94,6 +94,106 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
+STEP_KINDS = ("sleep", "gil")
+STEP_NAMES = {"sleep": "sleeping step", "gil": "GIL-holding step"}
+
+
+def busy_loop(iterations: int) -> int:
+    """Small pure-Python arithmetic, ``iterations`` times: it holds the GIL throughout, as a
+    real training step's kernel dispatch, optimizer and logging do, giving it up only when
+    the interpreter's switch interval forces a hand-off to a thread that asks for it."""
+    total = 0
+    for i in range(iterations):
+        total += i & 7
+    return total
+
+
+def busy_rate(*, seconds: float = 0.05, repeats: int = 5) -> float:
+    """Iterations per second of :func:`busy_loop` alone, here and now: the median of
+    ``repeats`` timings of about ``seconds`` each (the median, not the best: on a shared
+    machine it is the rate a step meets, not one it is lucky to meet)."""
+    chunk = 10_000
+    start = time.perf_counter()
+    busy_loop(chunk)  # also warms the loop up
+    chunk = max(chunk, round(chunk * seconds / max(time.perf_counter() - start, 1e-9)))
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        busy_loop(chunk)
+        rates.append(chunk / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+class TrainingStep:
+    """The simulated training step a benchmark runs after each batch.
+
+    ``sleep``: ``time.sleep(seconds)``, the GIL free, as a step waiting on its GPU kernels.
+    ``gil``: :func:`busy_loop` for as many iterations as take ``seconds`` alone (its rate
+    measured on construction, before any loader runs, or given), so the same work each
+    time, holding the GIL as a real step's Python does.
+
+    ``spent_s`` counts the steps' wall time and ``waited_s`` the part of it in which the
+    step could not run: for the busy step, its wall time minus its thread's CPU time (the
+    GIL held by a loader's thread, or, on few cores, the core taken by a loader's threads
+    or processes), i.e. its rate against its own rate running alone, measured in the same
+    calls and so immune to the machine's drift; for the sleeping step, the time past its
+    sleep (getting the GIL back). :func:`step_lost` makes a share of it.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        seconds: float,
+        *,
+        iterations: int | None = None,
+        alone_rate: float | None = None,
+    ) -> None:
+        if kind not in STEP_KINDS:
+            raise ValueError(f"step must be one of {STEP_KINDS}, got {kind!r}")
+        if seconds < 0:
+            raise ValueError(f"the step's seconds must be >= 0, got {seconds}")
+        self.kind, self.seconds = kind, seconds
+        self.alone_rate = alone_rate
+        self.iterations = 0
+        if kind == "gil":
+            if self.alone_rate is None:
+                self.alone_rate = busy_rate()
+            self.iterations = (
+                iterations if iterations is not None else round(self.alone_rate * seconds)
+            )
+        self.spent_s = 0.0
+        self.waited_s = 0.0
+        self.calls = 0
+
+    def __call__(self) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
+        if self.kind == "gil":
+            busy_loop(self.iterations)
+        else:
+            time.sleep(self.seconds)
+        wall = time.perf_counter() - start
+        ran = time.thread_time() - cpu if self.kind == "gil" else self.seconds
+        self.spent_s += wall
+        self.waited_s += max(0.0, wall - ran)
+        self.calls += 1
+
+    def record(self) -> dict[str, Any]:
+        """The step as a JSON-able dict: what it was, and its work's rate alone."""
+        return {
+            "kind": self.kind,
+            "seconds": self.seconds,
+            "iterations": self.iterations,
+            "alone_rate": self.alone_rate,
+        }
+
+
+def step_lost(waited_s: float, spent_s: float) -> float | None:
+    """The share of the steps' wall time (``spent_s``) in which they could not run
+    (``waited_s``, :class:`TrainingStep`): what a loader took from the training step. None
+    where no step ran."""
+    return waited_s / spent_s if spent_s > 0 else None
+
+
 def time_median(fn: Callable[[], object], *, repeats: int = 3, warmup: int = 1) -> list[float]:
     """Wall-clock seconds of ``repeats`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):

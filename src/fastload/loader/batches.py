@@ -1,10 +1,12 @@
 """Builds the batches of a fastload dataset: stage → native read → decode → collate.
 
 Samples whose bytes are plain ranges of cached objects (file folders, tar shards) are read
-many at a time by the native reader into a page-aligned buffer of the calling thread; the
-rest (Zarr rows, samples whose object is not cached) go through ``dataset[index]``, which
-reads through the cache and fetches what is missing. With ``decode``, an image dataset's
-batch is ``(images, labels)`` (``images`` alone for a folder without classes).
+many at a time by the native reader into a page-aligned buffer of the calling thread;
+samples of objects the cache turned away are cut from the bytes staging fetched ahead into
+memory (the store's holding area); the rest (Zarr rows, samples whose object is neither)
+go through ``dataset[index]``, which reads through the cache and fetches what is missing.
+With ``decode``, an image dataset's batch is ``(images, labels)`` (``images`` alone for a
+folder without classes).
 """
 
 from __future__ import annotations
@@ -84,30 +86,58 @@ class BatchBuilder:
 
     # --- staging ahead -----------------------------------------------------------------------
 
+    @property
+    def holds(self) -> bool:
+        """Whether what the cache turns away is fetched ahead into memory: the batches must
+        then be read after their staging round, which counts the reads each object is held
+        for (a batch read before would have it fetched twice)."""
+        return self.dataset.store.holds_turned_away
+
     def stage(self, batches: Sequence[Any]) -> None:
         ds = self.dataset
-        keys: dict[str, None] = {}
+        reads: dict[str, int] = {}  # samples of these batches reading each object
+        samples: dict[str, int] = {}  # samples of the shard of each object
         for batch in batches:
             for index in batch if self.batched else [batch]:
-                for key in ds.shard_keys[ds.shard_of(int(index))]:
+                shard = ds.shard_of(int(index))
+                for key in ds.shard_keys[shard]:
                     if key not in self._staged:
-                        keys[key] = None
-        if not keys:
+                        reads[key] = reads.get(key, 0) + 1
+                        samples[key] = ds.shard_sizes[shard]
+        if not reads:
             return
-        results = ds.store.stage(list(keys))
-        for key in keys:
-            self._staged[key] = None
+        results = ds.store.stage(list(reads), self._hold_reads(reads, samples))
+        for key, result in zip(reads, results, strict=True):
+            if result.outcome != "held":  # a held one is staged again for its later reads
+                self._staged[key] = None
         while len(self._staged) > 65536:  # forget the oldest: only a repeat filter
             del self._staged[next(iter(self._staged))]
         self._record(results)
 
+    def _hold_reads(self, reads: dict[str, int], samples: dict[str, int]) -> list[int]:
+        """The reads to stage each object with: its reads where they are at least half its
+        shard's samples, so that fetching it whole into memory pays if the cache turns it
+        away; else 0: not fetched into memory (a few samples of a large tar shard are read
+        as ranges from the remote), though a copy held for other batches serves them."""
+        holding = self.dataset.store.holding
+        out = []
+        for key, n in reads.items():
+            if 2 * n >= samples[key]:
+                out.append(n)
+            else:
+                holding.expect(key, n)
+                out.append(0)
+        return out
+
     def _record(self, results: Sequence[StageResult]) -> None:
         # "cached" is not counted: it may mean another thread of this loader just fetched it.
         for r in results:
-            if r.outcome == "fetched":
+            if r.outcome == "cached" or (r.outcome == "held" and not r.attempts):
+                continue  # nothing fetched (held without attempts: held already)
+            if r.outcome in ("fetched", "held"):
                 self.stats.count("cache_misses")
                 self.stats.count("bytes_fetched", r.nbytes)
-            elif r.outcome != "cached":
+            if r.outcome != "fetched":
                 self.stats.count(f"stage_{r.outcome}")
 
     # --- one batch ---------------------------------------------------------------------------
@@ -170,21 +200,35 @@ class BatchBuilder:
 
     def _read(self, indices: list[int], context: _ReadContext) -> list[Any]:
         """Each sample, as ``dataset[index]`` gives it: natively read where its objects are
-        cached, through the cache (which fetches) otherwise."""
+        cached, cut from memory where staging held them, through the cache (which fetches)
+        otherwise."""
         ds = self.dataset
+        store = ds.store
         ranges: list[list[Range] | None] = [ds.sample_ranges(i) for i in indices]
+        shards = [ds.shard_of(i) for i in indices]
         paths: dict[str, Location | None] = {}
-        for rs in ranges:
-            for key, _, _ in rs or ():
+        reads: dict[str, int] = {}  # samples of this batch reading each object
+        shard_samples: dict[str, int] = {}  # samples of the shard of each object
+        for rs, shard in zip(ranges, shards, strict=True):
+            for key in {key for key, _, _ in rs or ()}:
                 if key not in paths:
                     paths[key] = self._located(key)
-        self._note_needed(ds.shard_keys[ds.shard_of(i)] for i in indices)
-        missing = [key for key, path in paths.items() if path is None]
+                    shard_samples[key] = ds.shard_sizes[shard]
+                reads[key] = reads.get(key, 0) + 1
+        self._note_needed(ds.shard_keys[s] for s in shards)
+        held: dict[str, memoryview] = {}
+        missing = [
+            key for key, path in paths.items() if path is None and not self._take(key, reads, held)
+        ]
         if missing:  # not staged ahead (yet): fetch this batch's objects together
-            self._record(ds.store.stage(missing))
+            wanted = {key: reads[key] for key in missing}
+            self._record(store.stage(missing, self._hold_reads(wanted, shard_samples)))
             for key in missing:
                 paths[key] = self._located(key)
+                if paths[key] is None:
+                    self._take(key, reads, held)
         native = [rs is not None and all(paths[k] is not None for k, _, _ in rs) for rs in ranges]
+        in_memory = [rs is not None and all(k in held for k, _, _ in rs) for rs in ranges]
         parts: list[list[memoryview] | None] = [None] * len(indices)
         if any(native):
             try:
@@ -198,10 +242,21 @@ class BatchBuilder:
         for i, index in enumerate(indices):
             if native[i]:
                 samples.append(ds.assemble(index, parts[i] or []))
+            elif in_memory[i]:
+                self.stats.count("held_reads")
+                rs = ranges[i] or []
+                samples.append(ds.assemble(index, [held[k][o : o + n] for k, o, n in rs]))
             else:
                 self.stats.count("cache_reads")
                 samples.append(ds[index])
         return samples
+
+    def _take(self, key: str, reads: dict[str, int], held: dict[str, memoryview]) -> bool:
+        """Takes key's bytes from the store's holding area for this batch's reads of it."""
+        data = self.dataset.store.held(key, reads[key])
+        if data is not None:
+            held[key] = data
+        return data is not None
 
     def _read_native(
         self,

@@ -48,6 +48,9 @@ STATE_VERSION = 1
 DEFAULT_LOOKAHEAD_BYTES = 1 << 30
 # Objects one staging round asks for at most (the stager keeps 64 in flight).
 _STAGE_ROUND_OBJECTS = 512
+# The holding area (objects a full pin cache turns away, fetched ahead into memory) holds at
+# least this many bytes when the loader sizes it to its staging window.
+_MIN_HOLD_BYTES = 64 << 20
 _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(tud.DataLoader.__init__).parameters
 
 _live_iterations: weakref.WeakSet[_Iteration] = weakref.WeakSet()
@@ -290,15 +293,22 @@ class DataLoader(tud.DataLoader[Any]):
         per_batch = max(1, self._bytes_per_sample() * (self.batch_size or 1))
         ahead = self.lookahead_bytes // per_batch  # batches staged ahead; 0: none
         round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
+        prefetch = self._prefetch_depth()
+        store = builder.dataset.store
+        if store.config.fetch.hold_bytes is None:  # hold what the staging window holds
+            window = (max(ahead, prefetch) + round_batches) * per_batch
+            store.holding.resize(max(window, _MIN_HOLD_BYTES))
+        staging = workers > 0 and ahead > 0
         pipeline = Pipeline(
             items,
             load,
             workers=workers,
-            prefetch=self._prefetch_depth(),
-            stage=builder.stage if workers > 0 and ahead > 0 else None,
+            prefetch=prefetch,
+            stage=builder.stage if staging else None,
             lookahead=ahead,
             stage_round=round_batches,
             timeout_s=float(self.timeout),
+            load_after_stage=staging and builder.holds,
             stats=self._stats,
         )
         return _Iteration(
@@ -493,6 +503,8 @@ class DataLoader(tud.DataLoader[Any]):
         snapshot["decode"] = self.decode
         if self._ring is not None:
             snapshot["ring"] = self._ring.stats()
+        if self._builder is not None and self._builder.holds:
+            snapshot["held"] = self._builder.dataset.store.holding.stats()
         return snapshot
 
     def close(self) -> None:

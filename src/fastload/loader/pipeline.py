@@ -3,9 +3,13 @@
 A dispatcher thread takes index batches from the sampler and stages their shards into the
 cache up to ``lookahead`` batches ahead of the training step; ``workers`` threads load
 batches (read, decode, collate, start the copy to the device) at most ``prefetch`` ahead;
-the consumer takes them in sampler order. Every wait is bounded and rechecks ``closed``, so
-``close()`` (on ``break``, on garbage collection, at exit) stops every thread, and an error
-in any thread reaches the consumer at the batch it belongs to, naming the stage.
+the consumer takes them in sampler order. With ``load_after_stage``, a batch is loaded
+only once its staging round is done (objects held in memory for a count of reads must not
+be read before that count is set), and a pass's rounds start at one batch and double, so
+its first batch waits for its own objects only. Every wait is bounded and rechecks
+``closed``, so ``close()`` (on ``break``, on garbage collection, at exit) stops every
+thread, and an error in any thread reaches the consumer at the batch it belongs to, naming
+the stage.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class Pipeline:
         lookahead: int = 0,
         stage_round: int = 8,
         timeout_s: float = 0.0,
+        load_after_stage: bool = False,
         stats: LoaderStats,
     ) -> None:
         self._batches = batches
@@ -76,6 +81,9 @@ class Pipeline:
         self._dispatched = 0  # batches taken from the sampler so far
         self._next = 0  # the seq the consumer takes next
         self._exhausted = False  # the sampler has no more batches
+        self._wait_for_stage = load_after_stage and stage is not None
+        self._staged = 0  # batches whose staging round is done (with _wait_for_stage)
+        self._round = 1 if self._wait_for_stage else self._stage_round  # batches this round
         self._closed = False
         self._threads: list[threading.Thread] = []
         if workers > 0:
@@ -100,7 +108,8 @@ class Pipeline:
                     self._cv.wait(_POLL_S)
                 if self._closed:
                     return
-                room = min(self._stage_round, self._next + self._lookahead - self._dispatched)
+                room = min(self._round, self._next + self._lookahead - self._dispatched)
+                self._round = min(2 * self._round, self._stage_round)
             for _ in range(room):
                 try:
                     indices = next(self._batches)
@@ -115,20 +124,24 @@ class Pipeline:
                         self._dispatched += 1
                         self._exhausted = True
                         self._cv.notify_all()
-                    return
+                    break
                 with self._cv:
                     self._todo.append((self._dispatched, indices))
                     self._dispatched += 1
                     self._cv.notify_all()
                 fresh.append(indices)
-            if fresh and self._stage is not None:
-                try:
+            try:
+                if fresh and self._stage is not None:
                     with self.stats.timed("stage"):
                         self._stage(fresh)
-                except Exception:
-                    # Not fatal: each worker reads through the cache, which fetches what is
-                    # missing and raises the error, with its URL, at the batch that needs it.
-                    self.stats.count("stage_errors")
+            except Exception:
+                # Not fatal: each worker reads through the cache, which fetches what is
+                # missing and raises the error, with its URL, at the batch that needs it.
+                self.stats.count("stage_errors")
+            finally:
+                with self._cv:
+                    self._staged = self._dispatched
+                    self._cv.notify_all()
             with self._cv:
                 if self._exhausted:
                     return
@@ -136,9 +149,7 @@ class Pipeline:
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not (
-                    self._todo and self._todo[0][0] < self._next + self._prefetch
-                ):
+                while not self._closed and not (self._todo and self._ready(self._todo[0][0])):
                     if self._exhausted and not self._todo:
                         return
                     self._cv.wait(_POLL_S)
@@ -153,6 +164,11 @@ class Pipeline:
             with self._cv:
                 self._done[seq] = result
                 self._cv.notify_all()
+
+    def _ready(self, seq: int) -> bool:
+        """Whether batch seq may be loaded now (call with the lock held)."""
+        staged = not self._wait_for_stage or seq < self._staged
+        return staged and seq < self._next + self._prefetch
 
     # --- consumer ----------------------------------------------------------------------------
 

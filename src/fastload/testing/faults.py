@@ -3,6 +3,8 @@
 Both :class:`~fastload.testing.RangeHTTPServer` and :class:`~fastload.testing.S3Server`
 inherit :class:`RemoteControls`, so tests drive them the same way: adjust latency and
 bandwidth at runtime, queue faults for the next N requests, and read counters back.
+:meth:`RemoteBehavior.realistic` is what object storage looks like from a training node:
+a heavy-tailed time to first byte and now and then a burst of ``503 SlowDown``.
 """
 
 from __future__ import annotations
@@ -11,20 +13,22 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import math
 import random
 import socket
 import socketserver
 import struct
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from socket import socket as Socket
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
+    "Admission",
     "Fault",
     "FaultKind",
     "RemoteBehavior",
@@ -50,27 +54,87 @@ class _Unset(enum.Enum):
     UNSET = enum.auto()
 
 
+# z of the 99th percentile of a normal distribution: a lognormal's p99 / median = exp(z * sigma).
+_Z_P99 = 2.3263478740408408
+# How many drawn latencies a server keeps for ``latency_draws`` (the latest ones).
+_LATENCY_DRAWS_KEPT = 1 << 16
+
+
 @dataclass(frozen=True, kw_only=True)
 class RemoteBehavior:
     """How a loopback server behaves for every request (change it with ``set_behavior``).
 
-    ``latency_s`` is slept before each response (time to first byte).
+    ``latency_s`` is slept before each response (time to first byte). With
+    ``latency_p99_s`` each request draws its own latency from a lognormal distribution
+    whose median is ``latency_s`` and whose 99th percentile is ``latency_p99_s``, from a
+    generator seeded with ``seed`` (so the sequence of draws is the same on every run):
+    real object storage has a heavy tail, and a loader that waits on its slowest GET
+    shows it only against one.
     ``bandwidth_bytes_per_s`` caps each response body's send rate; it applies per
     response, which equals per connection because a connection carries one response at
     a time, so N parallel connections together get up to N times the cap. ``None`` means
     unlimited.
+    ``slowdown_every_s`` / ``slowdown_for_s``: every ``slowdown_every_s`` seconds, counted
+    from the first request after the behavior was set, every request for
+    ``slowdown_for_s`` seconds is answered ``503 SlowDown``, as S3 answers a prefix over
+    its request rate (so the first request meets a burst); they count as injected faults.
     """
 
     latency_s: float = 0.0
+    latency_p99_s: float | None = None
     bandwidth_bytes_per_s: float | None = None
+    slowdown_every_s: float | None = None
+    slowdown_for_s: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.latency_s < 0:
             raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        if self.latency_p99_s is not None and not self.latency_p99_s >= self.latency_s > 0:
+            raise ValueError(
+                f"latency_p99_s needs 0 < latency_s <= latency_p99_s, got "
+                f"latency_s={self.latency_s}, latency_p99_s={self.latency_p99_s}"
+            )
         if self.bandwidth_bytes_per_s is not None and self.bandwidth_bytes_per_s <= 0:
             raise ValueError(
                 f"bandwidth_bytes_per_s must be > 0 or None, got {self.bandwidth_bytes_per_s}"
             )
+        if self.slowdown_every_s is not None and not (
+            0 < self.slowdown_for_s <= self.slowdown_every_s
+        ):
+            raise ValueError(
+                f"slowdown bursts need 0 < slowdown_for_s <= slowdown_every_s, got "
+                f"{self.slowdown_for_s} every {self.slowdown_every_s}"
+            )
+
+    @classmethod
+    def realistic(cls, *, seed: int = 0) -> RemoteBehavior:
+        """S3 as a training node sees it: 20 ms to first byte at the median, 200 ms at
+        p99, and 250 ms of ``503 SlowDown`` every 10 s."""
+        return cls(
+            latency_s=0.020,
+            latency_p99_s=0.200,
+            slowdown_every_s=10.0,
+            slowdown_for_s=0.25,
+            seed=seed,
+        )
+
+    @property
+    def latency_sigma(self) -> float:
+        """Sigma of the lognormal latency (0: every request waits ``latency_s``)."""
+        if self.latency_p99_s is None:
+            return 0.0
+        return math.log(self.latency_p99_s / self.latency_s) / _Z_P99
+
+    def latency_draws(self, count: int) -> list[float]:
+        """The first ``count`` latencies a server with this behavior sleeps, in order."""
+        rng = random.Random(self.seed)
+        return [self._draw_latency(rng) for _ in range(count)]
+
+    def _draw_latency(self, rng: random.Random) -> float:
+        if self.latency_p99_s is None:
+            return self.latency_s
+        return rng.lognormvariate(math.log(self.latency_s), self.latency_sigma)
 
 
 class FaultKind(enum.Enum):
@@ -130,6 +194,18 @@ class RequestStats:
         )
 
 
+class Admission(NamedTuple):
+    """What a server does with one request: the behavior it answers with, the fault it
+    hits (if any), and the latency to sleep first."""
+
+    behavior: RemoteBehavior
+    fault: Fault | None
+    latency_s: float
+
+
+_SLOWDOWN = Fault(kind=FaultKind.STATUS, status=503, code="SlowDown")
+
+
 @dataclass
 class _PendingFault:
     fault: Fault
@@ -162,6 +238,7 @@ class RemoteControls:
         self._rate_faults: tuple[Fault, ...] = ()
         self._rate_methods: frozenset[str] | None = None
         self._rng = random.Random(0)
+        self._start_behavior()
         # Set on close so sleeps for latency and bandwidth end at once instead of hanging.
         self._closing = threading.Event()
 
@@ -193,7 +270,20 @@ class RemoteControls:
         with self._controls_lock:
             base = behavior if behavior is not None else self._behavior
             self._behavior = dataclasses.replace(base, **changes)
+            self._start_behavior()
             return self._behavior
+
+    def _start_behavior(self) -> None:
+        """Restart the latency draws from the seed and the burst clock (lock held)."""
+        self._latency_rng = random.Random(self._behavior.seed)
+        self._latency_draws: deque[float] = deque(maxlen=_LATENCY_DRAWS_KEPT)
+        self._bursts_from: float | None = None
+
+    def latency_draws(self) -> list[float]:
+        """The latencies drawn for requests since the behavior was last set (the latest
+        65,536), in the order requests arrived: what the server slept, not the clock."""
+        with self._controls_lock:
+            return list(self._latency_draws)
 
     # -- faults ----------------------------------------------------------------------
 
@@ -312,26 +402,42 @@ class RemoteControls:
 
     # -- for the servers ---------------------------------------------------------------
 
-    def _on_request(self, method: str, path: str) -> tuple[RemoteBehavior, Fault | None]:
-        """Count a request; return the behavior to apply and the fault it hits, if any."""
+    def _on_request(self, method: str, path: str) -> Admission:
+        """Count a request; return the behavior to apply, the fault it hits, if any, and
+        the latency to sleep."""
         method = method.upper()
         with self._controls_lock:
             self._requests[(method, path)] += 1
-            for i, pending in enumerate(self._faults):
-                if pending.matches(method, path):
-                    pending.remaining -= 1
-                    if pending.remaining == 0:
-                        del self._faults[i]
-                    self._faults_injected += 1
-                    return self._behavior, pending.fault
-            if (
-                self._fault_rate
-                and (self._rate_methods is None or method in self._rate_methods)
-                and self._rng.random() < self._fault_rate
-            ):
+            behavior = self._behavior
+            latency_s = behavior._draw_latency(self._latency_rng)
+            if behavior.latency_p99_s is not None:
+                self._latency_draws.append(latency_s)
+            fault = self._next_fault(method, path, behavior)
+            if fault is not None:
                 self._faults_injected += 1
-                return self._behavior, self._rng.choice(self._rate_faults)
-            return self._behavior, None
+            return Admission(behavior, fault, latency_s)
+
+    def _next_fault(self, method: str, path: str, behavior: RemoteBehavior) -> Fault | None:
+        """The fault a request hits: a queued one, a slowdown burst, a random one (lock held)."""
+        for i, pending in enumerate(self._faults):
+            if pending.matches(method, path):
+                pending.remaining -= 1
+                if pending.remaining == 0:
+                    del self._faults[i]
+                return pending.fault
+        if behavior.slowdown_every_s is not None:
+            now = time.monotonic()
+            if self._bursts_from is None:
+                self._bursts_from = now
+            if (now - self._bursts_from) % behavior.slowdown_every_s < behavior.slowdown_for_s:
+                return _SLOWDOWN
+        if (
+            self._fault_rate
+            and (self._rate_methods is None or method in self._rate_methods)
+            and self._rng.random() < self._fault_rate
+        ):
+            return self._rng.choice(self._rate_faults)
+        return None
 
     def _count_sent(self, nbytes: int) -> None:
         with self._controls_lock:

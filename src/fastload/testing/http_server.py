@@ -5,8 +5,8 @@ from a static file server: HEAD for sizes, single ``Range`` requests for reads, 
 directory pages of ``<a href>`` links for ``ls``/``find``.
 
 The machinery under it (``TrackedHTTPServer``, ``ControlledHandler``, ``LoopbackServer``:
-keep-alive, Nagle off, knobs, faults, counters, paced bodies, files served by range) is
-shared with :class:`~fastload.testing.S3FolderServer`.
+keep-alive, Nagle off, TLS, knobs, faults, counters, paced bodies, files served by range)
+is shared with :class:`~fastload.testing.S3FolderServer`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import json
 import mimetypes
 import os
 import re
+import shutil
+import ssl
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +39,7 @@ from fastload.testing.faults import (
     RemoteControls,
     logger,
 )
+from fastload.testing.tls import LoopbackCertificate
 
 __all__ = ["RangeHTTPServer"]
 
@@ -95,6 +99,9 @@ class TrackedHTTPServer(ConnectionTrackingMixin, ThreadingHTTPServer):
     """A threaded HTTP server that can drop its connections; ``controls`` is its owner."""
 
     controls: RemoteControls
+    # Set for https: connections are wrapped as they are accepted and shake hands on their
+    # handler's thread, so a slow client never holds up the accepting loop.
+    ssl_context: ssl.SSLContext | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._cpu_lock = threading.Lock()
@@ -104,6 +111,14 @@ class TrackedHTTPServer(ConnectionTrackingMixin, ThreadingHTTPServer):
     def add_handler_cpu(self, seconds: float) -> None:
         with self._cpu_lock:
             self.handler_cpu_s += seconds
+
+    def get_request(self) -> tuple[Any, Any]:
+        sock, address = super().get_request()
+        if self.ssl_context is not None:
+            sock = self.ssl_context.wrap_socket(
+                sock, server_side=True, do_handshake_on_connect=False
+            )
+        return sock, address
 
 
 class ControlledHandler(BaseHTTPRequestHandler):
@@ -125,6 +140,41 @@ class ControlledHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         logger.debug("http %s - " + format, self.address_string(), *args)
 
+    def setup(self) -> None:
+        super().setup()  # sets the idle timeout, which bounds the handshake too
+        if isinstance(self.connection, ssl.SSLSocket):
+            started = time.thread_time()
+            try:
+                self.connection.do_handshake()
+            finally:
+                self.server.add_handler_cpu(time.thread_time() - started)
+
+    def _answer_control(self, path: str) -> bool:
+        """Answer the counters' own requests (for a server in another process: not
+        counted, no knobs); False for every other path."""
+        controls = self.server.controls
+        if path == RESET_PATH:
+            controls.reset_stats()
+            body = b"{}"
+        elif path == STATS_PATH:
+            stats = controls.stats()
+            body = json.dumps(
+                {
+                    "requests": [[m, p, n] for (m, p), n in stats.requests.items()],
+                    "bytes_sent": stats.bytes_sent,
+                    "faults_injected": stats.faults_injected,
+                }
+            ).encode()
+        else:
+            return False
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        return True
+
     def handle_one_request(self) -> None:
         # Thread CPU time: waits for the client, latency and pacing cost nothing.
         started = time.thread_time()
@@ -143,8 +193,8 @@ class ControlledHandler(BaseHTTPRequestHandler):
         when the request is already dealt with (dropped, reset, or failed as injected).
         """
         controls = self.server.controls
-        behavior, fault = controls._on_request(self.command, path)
-        if not controls._sleep(behavior.latency_s):
+        behavior, fault, latency_s = controls._on_request(self.command, path)
+        if not controls._sleep(latency_s):
             self.close_connection = True  # server closing
             return None
         if fault is not None and fault.kind is FaultKind.RESET:
@@ -240,20 +290,7 @@ class _Handler(ControlledHandler):
     def _serve(self, *, send_body: bool) -> None:
         controls = self._controls
         path = self._url_path()
-        if path == RESET_PATH:
-            controls.reset_stats()
-            self._send_simple(HTTPStatus.OK, b"{}", {"Content-Type": "application/json"})
-            return
-        if path == STATS_PATH:  # for a server in another process; not counted, no knobs
-            stats = controls.stats()
-            body = json.dumps(
-                {
-                    "requests": [[m, p, n] for (m, p), n in stats.requests.items()],
-                    "bytes_sent": stats.bytes_sent,
-                    "faults_injected": stats.faults_injected,
-                }
-            ).encode()
-            self._send_simple(HTTPStatus.OK, body, {"Content-Type": "application/json"})
+        if self._answer_control(path):
             return
         begun = self._begin(path)
         if begun is None:
@@ -341,17 +378,28 @@ class LoopbackServer(RemoteControls):
     """Runs ``handler`` on ``http://127.0.0.1:<free port>`` from daemon threads.
 
     Starts on construction; use it as a context manager or call ``close()``. Subclasses
-    set up whatever the handler reads before calling ``__init__``.
+    set up whatever the handler reads before calling ``__init__``. With ``tls`` it serves
+    ``https://`` with a certificate of a fresh private authority, whose PEM file
+    (``ca_file``) clients must be told to trust; it is deleted on ``close()``.
     """
 
     def __init__(
-        self, handler: type[ControlledHandler], *, behavior: RemoteBehavior | None = None
+        self,
+        handler: type[ControlledHandler],
+        *,
+        behavior: RemoteBehavior | None = None,
+        tls: bool = False,
     ) -> None:
         super().__init__(behavior)
         self._close_lock = threading.Lock()
         self._closed = False
+        self._certificate: LoopbackCertificate | None = None
+        if tls:
+            self._certificate = LoopbackCertificate(tempfile.mkdtemp(prefix="fastload-tls-"))
         self._server = TrackedHTTPServer(("127.0.0.1", 0), handler)
         self._server.controls = self
+        if self._certificate is not None:
+            self._server.ssl_context = self._certificate.server_context()
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},
@@ -366,8 +414,14 @@ class LoopbackServer(RemoteControls):
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT``, without a trailing slash."""
-        return f"http://127.0.0.1:{self.port}"
+        """``http://127.0.0.1:PORT`` (``https://`` with TLS), without a trailing slash."""
+        scheme = "http" if self._certificate is None else "https"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The PEM file of the authority behind the server's certificate (None: no TLS)."""
+        return None if self._certificate is None else self._certificate.ca_file
 
     @property
     def cpu_s(self) -> float:
@@ -389,6 +443,8 @@ class LoopbackServer(RemoteControls):
                 return
             self._closed = True
         self._stop_serving(self._server, self._thread)
+        if self._certificate is not None:
+            shutil.rmtree(self._certificate.ca_file.parent, ignore_errors=True)
 
     def __enter__(self: _Self) -> _Self:
         return self
@@ -411,11 +467,17 @@ class RangeHTTPServer(LoopbackServer):
     links end in ``/``). Knobs, faults and counters come from ``RemoteControls``.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, behavior: RemoteBehavior | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        behavior: RemoteBehavior | None = None,
+        tls: bool = False,
+    ):
         self._root = Path(root).resolve(strict=True)
         if not self._root.is_dir():
             raise NotADirectoryError(self._root)
-        super().__init__(_Handler, behavior=behavior)
+        super().__init__(_Handler, behavior=behavior, tls=tls)
 
     @property
     def root(self) -> Path:

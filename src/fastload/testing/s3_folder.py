@@ -302,6 +302,8 @@ class _Handler(ControlledHandler):
     def _handle(self) -> None:
         split = urlsplit(self.path)
         path = unquote(split.path)
+        if self._answer_control(path):
+            return
         # Until the body is read the connection cannot carry another request.
         self._body_pending = "Transfer-Encoding" in self.headers or (
             self.headers.get("Content-Length", "0") not in ("", "0")
@@ -524,6 +526,11 @@ class S3FolderServer(LoopbackServer):
     path-style paths, ``/bucket/key``; the helpers (``create_bucket``, ``put``,
     ``upload_dir``) write to the folder directly and are not counted.
 
+    With ``tls`` it serves ``https://`` (see ``LoopbackServer``), and ``storage_options``
+    tell s3fs to trust its authority (``client_kwargs["verify"]``), as a user would for a
+    private endpoint; ``RemoteBehavior.realistic()`` adds S3's latency tail and bursts of
+    ``503 SlowDown``.
+
     Sets ``AWS_DEFAULT_REGION=us-east-1`` in ``os.environ``, as ``S3Server`` does.
     """
 
@@ -532,6 +539,7 @@ class S3FolderServer(LoopbackServer):
         root: str | os.PathLike[str] | None = None,
         *,
         behavior: RemoteBehavior | None = None,
+        tls: bool = False,
     ) -> None:
         self._owns_root = root is None
         if root is None:
@@ -543,7 +551,7 @@ class S3FolderServer(LoopbackServer):
         self._uploads: dict[str, _Upload] = {}
         self._uploads_lock = threading.Lock()
         os.environ["AWS_DEFAULT_REGION"] = REGION
-        super().__init__(_Handler, behavior=behavior)
+        super().__init__(_Handler, behavior=behavior, tls=tls)
 
     @property
     def root(self) -> Path:
@@ -551,13 +559,13 @@ class S3FolderServer(LoopbackServer):
 
     @property
     def endpoint_url(self) -> str:
-        """``http://127.0.0.1:PORT``, for ``endpoint_url=`` of boto clients."""
+        """``http(s)://127.0.0.1:PORT``, for ``endpoint_url=`` of boto clients."""
         return self.url
 
     @property
     def storage_options(self) -> dict[str, Any]:
-        """A fresh dict of s3fs keyword arguments that reach this server."""
-        return storage_options_for(self.endpoint_url)
+        """A fresh dict of s3fs keyword arguments that reach this server (and trust it)."""
+        return storage_options_for(self.endpoint_url, self.ca_file)
 
     # -- helpers (straight to the folder: no knobs, faults or counters) -------------------
 

@@ -56,13 +56,15 @@ _S3_ERRORS: dict[int, tuple[str, str]] = {
 }
 
 
-def storage_options_for(endpoint_url: str) -> dict[str, Any]:
-    """s3fs keyword arguments for a loopback S3 endpoint that takes any credentials."""
-    return {
-        "key": ACCESS_KEY,
-        "secret": SECRET_KEY,
-        "client_kwargs": {"endpoint_url": endpoint_url},
-    }
+def storage_options_for(
+    endpoint_url: str, ca_file: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
+    """s3fs keyword arguments for a loopback S3 endpoint that takes any credentials; for
+    https, ``ca_file`` is the authority to trust (as ``verify``, where a user puts it)."""
+    client_kwargs: dict[str, Any] = {"endpoint_url": endpoint_url}
+    if ca_file is not None:
+        client_kwargs["verify"] = str(ca_file)
+    return {"key": ACCESS_KEY, "secret": SECRET_KEY, "client_kwargs": client_kwargs}
 
 
 def _s3_error(fault: Fault, path: str) -> tuple[str, bytes]:
@@ -111,8 +113,8 @@ class _FaultMiddleware:
         if environ.get(_CONTROL_ENVIRON) or path.startswith("/moto-api/"):
             return self._app(environ, start_response)
         method = str(environ["REQUEST_METHOD"])
-        behavior, fault = self._controls._on_request(method, path)
-        if not self._controls._sleep(behavior.latency_s):
+        behavior, fault, latency_s = self._controls._on_request(method, path)
+        if not self._controls._sleep(latency_s):
             # werkzeug treats ConnectionError as "client went away": nothing is sent.
             raise ConnectionAbortedError("server is closing")
         if fault is not None and fault.kind is FaultKind.RESET:
