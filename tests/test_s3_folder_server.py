@@ -9,6 +9,7 @@ import http.client
 import io
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -537,9 +538,31 @@ def test_tls_obstore_transport_trusts_what_s3fs_was_told(
         private_s3fs(_untrusted(options), timeout_s=CLIENT_TIMEOUT_S), CLIENT_TIMEOUT_S
     )
     assert untrusted is not None
-    with pytest.raises(ConnectionError):
+    with pytest.raises(ssl.SSLCertVerificationError, match="UnknownIssuer"):
         untrusted.get(path)
     assert tls_server.stats().total == 0
+
+
+@pytest.mark.parametrize("transport", ["auto", "fsspec"])
+def test_an_untrusted_certificate_fails_at_once_saying_how_to_trust_it(
+    tls_server: HTTPServerProcess, transport: str, tmp_path: Path
+) -> None:
+    """Not eight retries of "error sending request": the handshake will fail every time."""
+    from fastload.errors import RemoteAccessError
+    from fastload.stage import FetchConfig
+    from fastload.store import CachedStore
+
+    store = CachedStore.open(
+        f"s3://{BUCKET}/data",
+        cache_dir=str(tmp_path / "cache"),
+        storage_options=_untrusted(tls_server.storage_options),
+        fetch=FetchConfig(transport=transport, retries=8, timeout_s=CLIENT_TIMEOUT_S),  # type: ignore[arg-type]
+    )
+    with pytest.raises(RemoteAccessError, match=r"certificate .* is not trusted") as caught:
+        store.object_keys()  # the listing is the first request
+    assert "'verify'" in str(caught.value)
+    assert "AWS_CA_BUNDLE" in str(caught.value)
+    store.close()
 
 
 def test_slowdown_burst_is_answered_503_and_fastload_retries_through_it(tmp_path: Path) -> None:

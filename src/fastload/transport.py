@@ -261,7 +261,7 @@ def _translate(exc: BaseException, timeout_s: float) -> BaseException:
     return error
 
 
-_CERTIFICATE = re.compile(r"InvalidCertificate\((\w+)")
+_CERTIFICATE = re.compile(r"InvalidCertificate\(\s*(\w+)")
 _REGION_CODES = {"AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
 
 
