@@ -123,6 +123,21 @@ def test_holding_never_exceeds_its_bytes_and_drops_the_oldest_first() -> None:
     assert holding.take("new") is None  # dropped after its one read
 
 
+def test_a_dataset_within_the_pin_budget_is_staged_as_without_one(
+    served: Remote, tmp_path: Path
+) -> None:
+    """Holding (and loading batches after their staging round) is for a dataset larger
+    than the budget; one that fits is staged into the cache as before."""
+    assert served.server is not None
+    budget = sum(map(len, served.files.values()))
+    dataset = open_files(served, tmp_path / "pin", max_bytes=budget, policy="pin")
+    served.server.reset_stats()
+    _, stats = epochs(dataset, 2, num_workers=2)
+    assert "held" not in stats
+    assert stats["counts"]["cache_misses"] == len(served.files)
+    assert {k: served.gets(k) for k in served.files} == dict.fromkeys(served.files, 1)
+
+
 def test_holding_disabled_reads_turned_away_objects_from_the_remote(
     served: Remote, tmp_path: Path
 ) -> None:

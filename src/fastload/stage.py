@@ -8,7 +8,9 @@ an event loop: a GET through obstore costs ~0.3 ms of CPU from a thread and ~0.4
 awaited future, and no hand-off between a loop and a writer thread is needed. Concurrency
 adapts to the remote: it halves when the remote throttles and grows back by one per window
 of successes (AIMD, as TCP does); the throttle, the threads and the transport's connections
-live for the process, across staging calls.
+live for the process, across staging calls. An object the cache turns away (a full ``pin``
+cache) is skipped, or, for a caller that will read it soon (a loader), fetched all the same
+into a :class:`Holding` in memory, where its reads find it.
 """
 
 from __future__ import annotations

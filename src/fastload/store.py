@@ -140,10 +140,16 @@ class CachedStore:
 
     @property
     def holds_turned_away(self) -> bool:
-        """Whether objects the cache turns away (a full ``pin`` cache) are held in memory
-        when staged with their reads."""
+        """Whether the cache will turn part of this dataset away (a ``pin`` budget smaller
+        than the dataset) and those objects are held in memory when staged with their
+        reads. (Other datasets may fill the budget too: their objects are held as well.)"""
         c = self.config
-        return c.policy == "pin" and c.max_bytes is not None and self.holding.max_bytes > 0
+        return (
+            c.policy == "pin"
+            and c.max_bytes is not None
+            and self.manifest.total_bytes > c.max_bytes
+            and self.holding.max_bytes > 0
+        )
 
     def held(self, key: str, reads: int = 1) -> memoryview | None:
         """key's bytes if they were fetched ahead into memory, counting ``reads`` reads of

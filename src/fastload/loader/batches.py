@@ -83,15 +83,12 @@ class BatchBuilder:
         self._staged: dict[str, None] = {}  # recently staged keys (insertion-ordered, bounded)
         self._needed: set[str] = set()  # objects this pass has read
         self._needed_lock = threading.Lock()
+        # Whether what the cache turns away is fetched ahead into memory: batches are then
+        # read after their staging round, which counts the reads each object is held for
+        # (a batch read before would have it fetched twice).
+        self.holds = dataset.store.holds_turned_away
 
     # --- staging ahead -----------------------------------------------------------------------
-
-    @property
-    def holds(self) -> bool:
-        """Whether what the cache turns away is fetched ahead into memory: the batches must
-        then be read after their staging round, which counts the reads each object is held
-        for (a batch read before would have it fetched twice)."""
-        return self.dataset.store.holds_turned_away
 
     def stage(self, batches: Sequence[Any]) -> None:
         ds = self.dataset
