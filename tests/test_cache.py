@@ -429,3 +429,18 @@ def test_an_index_of_the_format_before_segments_is_upgraded_in_place(tmp_path: P
         put(cache, "s3://b/new", b"packed")
         assert cache.verify() == []
         assert cache.used_bytes() == len(data) + len(b"packed")
+
+
+def test_a_sweep_with_a_stale_snapshot_removes_nothing_recorded_since(tmp_path: Path) -> None:
+    """Another process opening the cache may have read the segments' sizes before a writer
+    recorded more and let go of its segment: what was recorded meanwhile stays."""
+    with Cache(tmp_path, segment_bytes=4096) as cache:
+        put(cache, "s3://b/a", b"a" * 100)
+        stale = cache.index.segment_sizes()  # a's segment, 100 bytes long
+        put(cache, "s3://b/b", b"b" * 100)  # the same segment grows...
+        cache.storage.seal()  # ...and its writer lets go of it
+        before_b = {}  # and a segment nobody had recorded yet at the snapshot
+        cache.storage.sweep(before_b, cache.index.segment_size, cache.fetch_locks)
+        cache.storage.sweep(stale, cache.index.segment_size, cache.fetch_locks)
+        assert cache.read_verified("s3://b/a") == b"a" * 100
+        assert cache.read_verified("s3://b/b") == b"b" * 100

@@ -37,6 +37,11 @@ def half_budget(remote: Remote) -> int:
     return sum(map(len, remote.files.values())) // 2
 
 
+def open_pinned(remote: Remote, cache: Path, **options: Any) -> ShardedDataset:
+    """The dataset behind a pin cache of half its size: half of it is turned away."""
+    return open_files(remote, cache, max_bytes=half_budget(remote), policy="pin", **options)
+
+
 def epochs(
     dataset: ShardedDataset, count: int, **loader: Any
 ) -> tuple[list[bytes], dict[str, Any]]:
@@ -61,7 +66,7 @@ def test_turned_away_objects_are_fetched_once_per_epoch_and_read_from_memory(
 ) -> None:
     assert served.server is not None
     expected = all_cached(served, tmp_path, 2)
-    dataset = open_files(served, tmp_path / "pin", max_bytes=half_budget(served), policy="pin")
+    dataset = open_pinned(served, tmp_path / "pin")
     served.server.reset_stats()
 
     samples, stats = epochs(dataset, 2, num_workers=num_workers)
@@ -85,11 +90,9 @@ def test_the_holding_area_stays_within_its_bound_and_the_rest_comes_from_the_rem
 ) -> None:
     expected = all_cached(served, tmp_path, 1)
     bound = 200_000  # about two of the objects: most are pushed out or do not fit
-    dataset = open_files(
+    dataset = open_pinned(
         served,
         tmp_path / "pin",
-        max_bytes=half_budget(served),
-        policy="pin",
         fetch=FetchConfig(hold_bytes=bound),
     )
     samples, stats = epochs(dataset, 1, num_workers=2, lookahead_bytes=10**9)
@@ -142,11 +145,9 @@ def test_holding_disabled_reads_turned_away_objects_from_the_remote(
     served: Remote, tmp_path: Path
 ) -> None:
     expected = all_cached(served, tmp_path, 1)
-    dataset = open_files(
+    dataset = open_pinned(
         served,
         tmp_path / "pin",
-        max_bytes=half_budget(served),
-        policy="pin",
         fetch=FetchConfig(hold_bytes=0),
     )
     samples, stats = epochs(dataset, 1, num_workers=2)
@@ -163,11 +164,9 @@ def test_with_a_staging_process_this_process_fetches_what_the_cache_turned_away(
     process); this process fetches those into its holding area."""
     assert served.server is not None
     expected = all_cached(served, tmp_path, 1)
-    dataset = open_files(
+    dataset = open_pinned(
         served,
         tmp_path / "pin",
-        max_bytes=half_budget(served),
-        policy="pin",
         fetch=FetchConfig(staging_process=True),
     )
     first, _ = epochs(dataset, 1, num_workers=2)  # fills the cache
@@ -208,7 +207,7 @@ def test_forked_torch_workers_read_turned_away_objects_from_the_remote(
     neither see its holding area nor call obstore (which hangs in a forked child): they
     read what the cache turned away from the remote."""
     expected = all_cached(served, tmp_path, 1)
-    dataset = open_files(served, tmp_path / "pin", max_bytes=half_budget(served), policy="pin")
+    dataset = open_pinned(served, tmp_path / "pin")
     epochs(dataset, 1, num_workers=2)  # holds and reads what the cache turns away
     with fl.DataLoader(
         dataset,
@@ -285,9 +284,7 @@ def test_with_load_after_stage_a_failing_sampler_is_an_error_not_a_hang() -> Non
 
 def pin_warmed(remote: Remote, tmp_path: Path, **options: Any) -> tuple[ShardedDataset, str]:
     """A pin cache filled to its budget, and one object it turned away."""
-    dataset = open_files(
-        remote, tmp_path / "pin", max_bytes=half_budget(remote), policy="pin", **options
-    )
+    dataset = open_pinned(remote, tmp_path / "pin", **options)
     dataset.warm()
     away = sorted(k for k in turned_away(dataset) if remote.files[k])
     return dataset, away[0]

@@ -192,7 +192,12 @@ class Cache:
         # ``plan`` ranks entries one by one, so it keeps each in a file of its own.
         self._packs = policy != "plan" and self.storage.segment_entry_max > 0
         self.plan: PlanHint | None = None
-        self.storage.sweep(self.index.segment_sizes(), self.fetch_locks)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Removes what writers killed mid-write left behind (see Storage.sweep)."""
+        index = self.index
+        self.storage.sweep(index.segment_sizes(), index.segment_size, self.fetch_locks)
 
     # --- the index ---------------------------------------------------------------------------
 
@@ -597,7 +602,7 @@ class Cache:
                         path.unlink(missing_ok=True)
                 finally:
                     self.fetch_locks.release(path.name)
-        self.storage.sweep(self.index.segment_sizes(), self.fetch_locks)
+        self._sweep()
 
     def read_verified(self, url: str, span: Span | None = None) -> bytes:
         """The bytes of a cached entry after checking them against the index."""

@@ -222,6 +222,11 @@ class Index:
     def segment_sizes(self) -> dict[int, int]:
         return dict(self.reader().execute("SELECT id, size FROM segments").fetchall())
 
+    def segment_size(self, segment: int) -> int | None:
+        found = self.reader().execute("SELECT size FROM segments WHERE id = ?", (segment,))
+        row = found.fetchone()
+        return None if row is None else int(row[0])
+
     # --- writing (inside a transaction) ------------------------------------------------------
 
     @staticmethod

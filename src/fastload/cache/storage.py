@@ -363,10 +363,19 @@ class Storage:
 
     # --- after crashes -----------------------------------------------------------------------
 
-    def sweep(self, recorded: dict[int, int], fetch_locks: FetchLocks) -> None:
+    def sweep(
+        self,
+        recorded: dict[int, int],
+        recorded_now: Callable[[int], int | None],
+        fetch_locks: FetchLocks,
+    ) -> None:
         """Removes what dead writers left: parts whose fetch lock is free, segments being
         created by nobody, segment files the index does not know, and bytes past a segment's
-        recorded size. Anything a live process holds is left alone."""
+        recorded size. Anything a live process holds is left alone.
+
+        ``recorded`` is a snapshot of the segments' recorded sizes; ``recorded_now(n)``
+        reads one afresh, which is asked again once a segment is locked: its writer may
+        have recorded more, and let go of it, since the snapshot."""
         for entry in os.scandir(self.dir / "tmp"):
             if entry.name.startswith(_SEGMENT_PART):
                 self._remove_unheld(entry.path)
@@ -381,16 +390,19 @@ class Storage:
             number = _segment_number(entry.name)
             if number is None or number == self.active_segment():
                 continue
-            if number not in recorded:
-                self._remove_unheld(entry.path)
-            else:
-                fd = self.lock_unused(entry.path)
-                if fd is not None:
-                    try:
-                        if os.fstat(fd).st_size > recorded[number]:
-                            os.truncate(entry.path, recorded[number])
-                    finally:
-                        os.close(fd)
+            if number in recorded and entry.stat().st_size <= recorded[number]:
+                continue  # the usual case: nothing past its recorded end, no lock taken
+            fd = self.lock_unused(entry.path)
+            if fd is None:
+                continue  # its writer is alive
+            try:
+                size = recorded_now(number)
+                if size is None:
+                    self.remove(entry.path)
+                elif os.fstat(fd).st_size > size:
+                    os.truncate(entry.path, size)
+            finally:
+                os.close(fd)
 
     def _remove_unheld(self, path: str) -> None:
         fd = self.lock_unused(path)
