@@ -444,3 +444,28 @@ def test_a_sweep_with_a_stale_snapshot_removes_nothing_recorded_since(tmp_path: 
         cache.storage.sweep(stale, cache.index.segment_size, cache.fetch_locks)
         assert cache.read_verified("s3://b/a") == b"a" * 100
         assert cache.read_verified("s3://b/b") == b"b" * 100
+
+
+def test_eight_processes_can_create_one_cache_at_once(tmp_path: Path) -> None:
+    """Eight ranks of a node start on an empty cache directory together."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from fastload.cache import Cache\n"
+        "for i in range(20):\n"
+        "    with Cache(sys.argv[1]) as cache:\n"
+        "        part = cache.new_part(f's3://b/{sys.argv[2]}-{i}')\n"
+        "        part.write(b'x')\n"
+        "        cache.publish(part, version=None)\n"
+    )
+    for attempt in range(3):
+        folder = str(tmp_path / f"cache{attempt}")
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, folder, str(rank)]) for rank in range(8)
+        ]
+        assert [p.wait(timeout=120) for p in procs] == [0] * 8
+        with Cache(folder) as cache:
+            assert len(cache.entries()) == 8 * 20
+            assert cache.verify() == []

@@ -36,6 +36,7 @@ from pathlib import Path
 from fastload.errors import CacheError
 
 FORMAT_VERSION = 2
+_CONNECT_TIMEOUT_S = 60.0
 _RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
 _COLUMNS = "id, url, size, checksum, version, created, last_use, segment, position, start"
 
@@ -105,12 +106,25 @@ class Index:
     # --- connections -------------------------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("PRAGMA busy_timeout=60000")
-        db.execute("PRAGMA journal_size_limit=4194304")  # the WAL counts against the budget
-        return db
+        # Switching a new database to WAL can answer "locked" at once, without waiting,
+        # while another process creates it (8 ranks opening a fresh cache): so wait here.
+        deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+        delay = 0.005
+        while True:
+            db = sqlite3.connect(
+                self.path, timeout=_CONNECT_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.execute("PRAGMA journal_size_limit=4194304")  # WAL shrinks after checkpoints
+                return db
+            except sqlite3.OperationalError as exc:
+                db.close()
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise CacheError(errno.EIO, f"cache index {self.path}: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     def writer(self) -> sqlite3.Connection:
         """The writing connection of this process (used under self.lock)."""

@@ -378,7 +378,10 @@ class Storage:
         have recorded more, and let go of it, since the snapshot."""
         for entry in os.scandir(self.dir / "tmp"):
             if entry.name.startswith(_SEGMENT_PART):
-                self._remove_unheld(entry.path)
+                # Its creator locks it only after creating it: a live one's is left alone.
+                pid = entry.name.rpartition(".")[2]
+                if not (pid.isdigit() and _alive(int(pid))):
+                    self._remove_unheld(entry.path)
                 continue
             oid = entry.name.split(".", 1)[0]
             if fetch_locks.try_acquire(oid):  # else someone is writing it now
@@ -417,6 +420,18 @@ class Storage:
             number = _segment_number(entry.name)
             if number is not None:
                 yield number, entry.path
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _segment_number(name: str) -> int | None:
