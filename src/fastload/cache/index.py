@@ -23,7 +23,6 @@ place on open: its rows keep their ids and files, so nothing cached is lost.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import os
 import sqlite3
@@ -88,6 +87,22 @@ class Entry:
     segment: int | None = None  # None: a file of its own
     position: int = 0  # where the bytes start in the segment
     start: int | None = None  # a byte range of the object at url, from here; None: all of it
+
+
+def _values(e: Entry) -> tuple[object, ...]:
+    """The row of e, in _COLUMNS' order (not dataclasses.astuple: it deep-copies each field)."""
+    return (
+        e.id,
+        e.url,
+        e.size,
+        e.checksum,
+        e.version,
+        e.created,
+        e.last_use,
+        e.segment,
+        e.position,
+        e.start,
+    )
 
 
 class Index:
@@ -269,7 +284,7 @@ class Index:
                 self.remove(db, Entry(*row))
         db.executemany(
             f"INSERT INTO objects ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [dataclasses.astuple(e) for e in entries],
+            [_values(e) for e in entries],
         )
         live: dict[int | None, int] = {}
         for e in entries:
