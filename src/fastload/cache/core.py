@@ -272,7 +272,9 @@ class Cache:
             fd = self.storage.hold(location)
             if fd is None:
                 continue
-            now = self.index.entry(oid)
+            # A segment's bytes never change (hold saw it was not evicted); an own file can be
+            # replaced by a new version under the same name, so that needs the index again.
+            now = entry if entry.segment is not None else self.index.entry(oid)
             if now is not None and _same_bytes(now, entry):  # still the one whose file we hold
                 if self.plan is not None:
                     self.plan.advance(oid)

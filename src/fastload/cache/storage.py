@@ -81,7 +81,12 @@ def pread_exactly(fd: int, length: int, offset: int, path: str) -> bytes:
     while len(data) < length:  # a short read: more, or the file is shorter than recorded
         more = os.pread(fd, length - len(data), offset + len(data))
         if not more:
-            raise CacheError(errno.EIO, f"{path} ends before the cached entry it holds", path)
+            raise CacheError(
+                errno.EIO,
+                f"{path} ends before the cached entry it holds (changed outside fastload?); "
+                "run `fastload cache verify` to drop what is damaged, and it is refetched",
+                path,
+            )
         data += more
     return data
 
