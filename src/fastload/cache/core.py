@@ -388,9 +388,13 @@ class Cache:
                         part.discard()
                         item.error = disk_error(exc, part.path)
                 if packed:
-                    placed = storage.append(
+                    placed, failure = storage.append(
                         [item.part for item in packed], lambda: self.index.new_segment(db)
                     )
+                    for item in packed[len(placed) :]:  # the disk filled up: what fitted stays
+                        item.part.discard()
+                        item.error = failure
+                    packed = packed[: len(placed)]
                     for segment, grown in storage.take_growth():
                         self.index.grow_segment(db, segment, grown)
                     self.index.add(

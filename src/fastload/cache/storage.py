@@ -24,6 +24,7 @@ Rules that keep readers safe without a lock per read:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import fcntl
@@ -46,6 +47,7 @@ SEGMENT_BYTES_MIN = 1 << 20  # a budget too small for 64 such segments packs not
 ENTRY_IN_SEGMENT_MAX = 1 << 20
 _IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
 _SEGMENT_PART = "segment-"  # prefix of segments being created in tmp/
+_INDEX_ROOM = 128 << 10  # left free on a full disk for the index's pages of a batch
 
 
 def segment_bytes_for(max_bytes: int | None) -> int:
@@ -255,8 +257,10 @@ class Storage:
 
     def append(
         self, parts: Sequence[PartFile], new_segment: Callable[[], int]
-    ) -> list[tuple[int, int]]:
-        """Appends in-memory parts to this process's segment(s): (segment, position) of each.
+    ) -> tuple[list[tuple[int, int]], CacheError | None]:
+        """Appends in-memory parts to this process's segment(s): (segment, position) of each
+        part written whole, in order, and the error that stopped the rest (a full disk):
+        what fitted is still published.
 
         ``new_segment()`` registers a segment in the caller's index transaction and returns
         its number; :meth:`take_growth` then says how much each segment grew. The caller
@@ -265,22 +269,28 @@ class Storage:
         """
         placed: list[tuple[int, int]] = []
         run: list[memoryview] = []
-        run_bytes = 0
-        for part in parts:
-            active = self._active
-            if (
-                active is None
-                or active.pid != os.getpid()
-                or active.size + run_bytes + part.size > self.segment_bytes
-            ):
-                self._flush(run)
-                run, run_bytes = [], 0
-                active = self._open_segment(new_segment)
-            placed.append((active.id, active.size + run_bytes))
-            run.extend(part.chunks or ())
-            run_bytes += part.size
-        self._flush(run)
-        return placed
+        ends: list[int] = []  # where each part of the run ends, from the run's start
+        try:
+            for part in parts:
+                run_bytes = ends[-1] if ends else 0
+                active = self._active
+                if (
+                    active is None
+                    or active.pid != os.getpid()
+                    or active.size + run_bytes + part.size > self.segment_bytes
+                ):
+                    self._flush(run, ends)
+                    run, ends, run_bytes = [], [], 0
+                    active = self._open_segment(new_segment)
+                placed.append((active.id, active.size + run_bytes))
+                run.extend(part.chunks or ())
+                ends.append(run_bytes + part.size)
+            self._flush(run, ends)
+        except _ShortWrite as short:
+            return placed[: len(placed) - len(ends) + short.whole_parts], short.error
+        except CacheError as exc:  # no room for a new segment: what was flushed stays
+            return placed, exc
+        return placed, None
 
     def _open_segment(self, new_segment: Callable[[], int]) -> _Segment:
         """Seals the active segment (it may be evicted from then on) and starts a new one."""
@@ -299,11 +309,25 @@ class Storage:
         self._active = _Segment(number, fd, 0, os.getpid())
         return self._active
 
-    def _flush(self, run: list[memoryview]) -> None:
+    def _flush(self, run: list[memoryview], ends: list[int]) -> None:
         active = self._active
         if not run or active is None:
             return
-        written = _pwritev_all(active.fd, run, active.size, self.segment_path(active.id))
+        path = self.segment_path(active.id)
+        try:
+            written = _pwritev_all(active.fd, run, active.size, path)
+        except _ShortWrite as short:
+            # Stop appending after the torn part (cut off here, or at the next open).
+            # Parts written whole are kept, less what leaves the index room to record them.
+            short.whole_parts = bisect.bisect_right(ends, short.written - _INDEX_ROOM)
+            kept = ends[short.whole_parts - 1] if short.whole_parts else 0
+            self._grown.append((active.id, kept))
+            with contextlib.suppress(OSError):  # the torn part's bytes: room for the index
+                os.ftruncate(active.fd, active.size + kept)
+            active.size += kept
+            os.close(active.fd)
+            self._active = None
+            raise
         if self.fsync:
             os.fdatasync(active.fd)
         active.size += written
@@ -444,8 +468,19 @@ def _segment_number(name: str) -> int | None:
     return int(stem) if dot and suffix == "seg" and stem.isdigit() else None
 
 
+class _ShortWrite(Exception):
+    """A write that stopped part way (a full disk): how far it got, and why."""
+
+    def __init__(self, written: int, error: CacheError) -> None:
+        super().__init__(str(error))
+        self.written = written
+        self.error = error
+        self.whole_parts = 0
+
+
 def _pwritev_all(fd: int, chunks: list[memoryview], offset: int, path: str) -> int:
-    """Writes chunks at offset, however short the kernel's writes are; the bytes written."""
+    """Writes chunks at offset, however short the kernel's writes are; the bytes written.
+    Raises _ShortWrite, saying how many bytes did get written, when the kernel refuses."""
     total = 0
     i = 0
     pending = list(chunks)
@@ -459,5 +494,5 @@ def _pwritev_all(fd: int, chunks: list[memoryview], offset: int, path: str) -> i
             if n:
                 pending[i] = pending[i][n:]
     except OSError as exc:
-        raise disk_error(exc, path) from exc
+        raise _ShortWrite(total, disk_error(exc, path)) from exc
     return total
