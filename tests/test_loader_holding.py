@@ -256,6 +256,30 @@ def test_with_load_after_stage_no_batch_is_loaded_before_its_round_is_staged() -
     assert max(rounds) == 8
 
 
+def test_a_pass_stages_its_first_batch_alone_first_whether_or_not_it_waits() -> None:
+    """A first round of 8 batches made a cold first batch wait for objects the round had
+    locked; rounds start at one batch and double up to stage_round."""
+    rounds: list[int] = []
+
+    def stage(batches: list[Any]) -> None:
+        rounds.append(len(batches))
+
+    pipeline = Pipeline(
+        iter([[i] for i in range(40)]),
+        lambda seq, batch: batch[0],
+        workers=2,
+        prefetch=4,
+        stage=stage,
+        lookahead=20,
+        stage_round=8,
+        load_after_stage=False,
+        stats=LoaderStats(),
+    )
+    assert list(pipeline) == list(range(40))
+    assert rounds[:4] == [1, 2, 4, 8]
+    assert sum(rounds) == 40
+
+
 def test_with_load_after_stage_a_failing_sampler_is_an_error_not_a_hang() -> None:
     def batches() -> Any:
         yield [0]
