@@ -1,6 +1,6 @@
 """The transport: GETs and listings of one remote behind one small, blocking interface.
 
-Two implementations, chosen per filesystem by :func:`transport_for`:
+Three implementations, chosen per filesystem by :func:`transport_for`:
 
 - :class:`ObjectStoreTransport` for ``s3://`` when obstore is installed (the ``s3`` extra):
   Rust's object_store signs and sends each GET with the GIL released, at a fraction of the
@@ -9,12 +9,23 @@ Two implementations, chosen per filesystem by :func:`transport_for`:
   fastload opened for the URL (botocore resolves them: storage_options, the environment,
   profiles, instance roles); obstore's own environment lookup is overridden key by key and
   its retries are off, so fastload's retries and AIMD throttle stay in charge.
+- :class:`ObjectStoreHTTPTransport` for the GETs of ``http(s)://`` (fsspec's HTTPFileSystem)
+  when obstore is installed (the ``http`` extra): one obstore HTTPStore per scheme, host
+  and port instead of aiohttp on fsspec's event loop, which holds the GIL for most of a
+  small object's GET. It sends the request aiohttp would: the same URL byte for byte (a
+  path whose percent-encoding obstore would write differently, or that carries a query
+  string, a fragment or user:password, is left to fsspec), the headers of
+  ``client_kwargs``/request options, and TLS verification on unless ``ssl=False``. Any
+  other session or request setting (auth, cookies, an SSL context, a custom client),
+  ``trust_env`` or a proxy in the environment (which obstore would use and aiohttp does
+  not) leaves the filesystem to fsspec; listings are fsspec's in any case.
 - :class:`FsspecTransport` for everything else, and for S3 settings obstore does not carry
   (requester-pays, SSE-C keys, proxies, client certificates, virtual-host addressing on a
-  custom endpoint) or answers it cannot follow (a redirect to another region).
+  custom endpoint) or answers it cannot follow (a redirect to another region; from an HTTP
+  server: a body without Content-Length, a range answered whole).
 
 obstore's runtime hangs in a forked child once the parent has used it; a forked process
-(a DataLoader worker) therefore never gets an ObjectStoreTransport, whatever its parent did.
+(a DataLoader worker) therefore never gets an obstore transport, whatever its parent did.
 Version strings (ETag and LastModified as s3fs lists them) are the same from both, so no
 cached object is refetched because the transport changed.
 """
@@ -27,12 +38,14 @@ import os
 import re
 import ssl
 import threading
+import urllib.parse
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import fsspec
 import fsspec.asyn
 
-from fastload.remote import HTTPResponseError, scrub
+from fastload.remote import HTTPResponseError, is_http, scrub
 
 Buffer = bytes | memoryview
 
@@ -75,8 +88,10 @@ class FsspecTransport:
 
 
 class Declined(Exception):
-    """The remote answered what only s3fs can follow (a redirect to another region, an
-    authorization header for another region); that bucket goes back to s3fs."""
+    """The remote answered what only fsspec can follow (from S3: a redirect to another
+    region, an authorization header for another region; from an HTTP server: a range
+    answered whole, a body without Content-Length); that bucket or host goes back to
+    fsspec (s3fs, aiohttp)."""
 
 
 _STATUS = re.compile(r"returned non-2xx status code: (\d{3})")
@@ -85,17 +100,89 @@ _BODY = re.compile(r"<Error>.*?</Error>", re.DOTALL)
 _AWS_HOST = re.compile(r"^https://s3([.-][a-z0-9-]+)?\.amazonaws\.com(\.cn)?/?$")
 
 
-class ObjectStoreTransport:
-    """S3 GETs and listings through obstore, with s3fs's session (see the module docstring)."""
+class _ObstoreTransport:
+    """What both obstore transports share: one store per key (a bucket, a host) made on
+    first use, keys declined back to fsspec, the fork guard, ranged GETs and errors
+    translated for :func:`fastload.remote.classify`."""
 
-    def __init__(self, fs: Any, settings: dict[str, Any], fallback: FsspecTransport) -> None:
-        self._fs = fs
-        self._settings = settings
+    def __init__(self, fallback: FsspecTransport, make_store: Callable[[str], Any]) -> None:
         self._fallback = fallback
+        self._make_store = make_store
         self._stores: dict[str, Any] = {}
         self._declined: set[str] = set()
         self._lock = threading.Lock()
         self._pid = os.getpid()
+
+    def _forked(self) -> bool:
+        """True in a forked child: obstore's runtime would hang there."""
+        return os.getpid() != self._pid
+
+    def _store(self, key: str) -> Any:
+        with self._lock:
+            store = self._stores.get(key)
+            if store is None:
+                global _runtime_used
+                _runtime_used = True
+                store = self._stores[key] = self._make_store(key)
+            return store
+
+    def _get(
+        self, key: str, location: str, path: str, start: int | None, end: int | None
+    ) -> Buffer:
+        """Bytes [start, end) of location in key's store; path (the fsspec path) goes to
+        fsspec where the store declines."""
+        import obstore
+
+        options: dict[str, Any] = {}
+        if start is not None or end is not None:
+            if end is None:
+                options["range"] = {"offset": start or 0}
+            else:
+                options["range"] = (start or 0, end)
+        try:
+            answer = obstore.get(self._store(key), location, options=options)  # type: ignore[arg-type]
+            return memoryview(answer.bytes())
+        except Exception as exc:
+            error = _translate(exc, self._fallback.timeout_s)
+            if isinstance(error, Declined):
+                self._declined.add(key)
+                return self._fallback.get(path, start, end)
+            raise error from None
+
+
+def _client_options(timeout_s: float, scheme: str, verify: bool | str | None) -> dict[str, Any]:
+    """obstore's client options: timeouts from fastload's, connections kept for every
+    staging thread, plain http only for an http:// endpoint, and TLS trust (verify: False
+    trusts anything, a path adds that PEM's authorities to the system's)."""
+    options: dict[str, Any] = {
+        "timeout": f"{timeout_s:g}s",
+        "connect_timeout": f"{min(timeout_s, 10.0):g}s",
+        "pool_max_idle_per_host": "1024",
+        "allow_http": scheme == "http",
+    }
+    if verify is False:
+        options["allow_invalid_certificates"] = True
+    elif scheme == "https" and isinstance(verify, str):
+        options["root_certificate"] = _read_pem(verify)
+    return options
+
+
+# fastload retries (and throttles) itself: obstore's own retries would hide the failures.
+_NO_RETRIES: dict[str, Any] = {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=0)}
+
+
+class ObjectStoreTransport(_ObstoreTransport):
+    """S3 GETs and listings through obstore, with s3fs's session (see the module docstring)."""
+
+    def __init__(self, fs: Any, settings: dict[str, Any], fallback: FsspecTransport) -> None:
+        super().__init__(fallback, self._bucket_store)
+        self._fs = fs
+        self._settings = settings
+
+    def _bucket_store(self, bucket: str) -> Any:
+        from obstore.store import S3Store
+
+        return S3Store(bucket, **self._settings)
 
     @classmethod
     def from_s3fs(cls, fs: Any, timeout_s: float) -> ObjectStoreTransport | None:
@@ -116,19 +203,11 @@ class ObjectStoreTransport:
         aws = bool(_AWS_HOST.match(endpoint))
         if not aws and addressing == "virtual":
             return None
-        options: dict[str, Any] = {
-            "timeout": f"{timeout_s:g}s",
-            "connect_timeout": f"{min(timeout_s, 10.0):g}s",
-            "pool_max_idle_per_host": "1024",
-            "allow_http": endpoint.startswith("http://"),
-        }
         verify = (getattr(fs, "client_kwargs", None) or {}).get("verify")
-        if verify is False:
-            options["allow_invalid_certificates"] = True
-        elif endpoint.startswith("https://"):
-            cafile = verify if isinstance(verify, str) else os.environ.get("AWS_CA_BUNDLE")
-            if cafile:  # trusted beside the system's roots (botocore trusts it alone)
-                options["root_certificate"] = _read_pem(cafile)
+        if verify is not False and not isinstance(verify, str):
+            verify = os.environ.get("AWS_CA_BUNDLE")
+        # A CA file is trusted beside the system's roots (botocore trusts it alone).
+        options = _client_options(timeout_s, endpoint.partition("://")[0], verify)
         settings: dict[str, Any] = {
             "region": client.meta.region_name or "us-east-1",
             # Every key obstore would otherwise take from its own AWS_* environment.
@@ -137,7 +216,7 @@ class ObjectStoreTransport:
             "unsigned_payload": False,
             "skip_signature": bool(getattr(fs, "anon", False)),
             "client_options": options,
-            "retry_config": {"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=0)},
+            "retry_config": _NO_RETRIES,
         }
         if not aws:
             settings["endpoint"] = endpoint.rstrip("/")
@@ -145,40 +224,13 @@ class ObjectStoreTransport:
             settings["credential_provider"] = _Credentials(fs, client)
         return cls(fs, settings, FsspecTransport(fs, timeout_s))
 
-    def _store(self, bucket: str) -> Any:
-        with self._lock:
-            store = self._stores.get(bucket)
-            if store is None:
-                from obstore.store import S3Store
-
-                global _runtime_used
-                _runtime_used = True
-                store = self._stores[bucket] = S3Store(bucket, **self._settings)
-            return store
-
     def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
-        if os.getpid() != self._pid:  # a forked child: obstore's runtime would hang here
+        if self._forked():
             return self._fallback.get(path, start, end)
         bucket, key, version = self._fs.split_path(path)
         if version or bucket in self._declined:
             return self._fallback.get(path, start, end)
-        import obstore
-
-        options: dict[str, Any] = {}
-        if start is not None or end is not None:
-            if end is None:
-                options["range"] = {"offset": start or 0}
-            else:
-                options["range"] = (start or 0, end)
-        try:
-            answer = obstore.get(self._store(bucket), key, options=options)  # type: ignore[arg-type]
-            return memoryview(answer.bytes())
-        except Exception as exc:
-            error = _translate(exc, self._fallback.timeout_s)
-            if isinstance(error, Declined):
-                self._declined.add(bucket)
-                return self._fallback.get(path, start, end)
-            raise error from None
+        return self._get(bucket, key, path, start, end)
 
     def find(self, root: str) -> dict[str, dict[str, Any]] | None:
         """Every object below root in s3fs's ``find(detail=True)`` shape (same names, sizes,
@@ -187,7 +239,7 @@ class ObjectStoreTransport:
         object_store normalizes keys (``a/`` and ``a`` are one path to it), so a listing
         with an empty object (a folder marker, or a key it may have rewritten), a
         repeated name or a key it rejects is left to s3fs."""
-        if os.getpid() != self._pid:
+        if self._forked():
             return None
         bucket, key, _ = self._fs.split_path(root)
         import obstore
@@ -214,6 +266,155 @@ class ObjectStoreTransport:
                 return None
             raise error from None
         return found
+
+
+class ObjectStoreHTTPTransport(_ObstoreTransport):
+    """GETs of fsspec's HTTPFileSystem through obstore's HTTPStore (see the module
+    docstring); listings stay fsspec's."""
+
+    def __init__(self, settings: dict[str, Any], encoded: bool, fallback: FsspecTransport) -> None:
+        super().__init__(fallback, self._host_store)
+        self._settings = settings
+        self._encoded = encoded
+
+    def _host_store(self, origin: str) -> Any:
+        from obstore.store import HTTPStore
+
+        options = {**self._settings, "allow_http": origin.startswith("http://")}
+        return HTTPStore(origin, client_options=options, retry_config=_NO_RETRIES)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_http(cls, fs: Any, timeout_s: float) -> ObjectStoreHTTPTransport | None:
+        """The transport for an HTTPFileSystem, or None where obstore cannot send the
+        requests aiohttp would (or is not installed)."""
+        if not _http_eligible(fs) or _runtime_inherited:
+            return None
+        try:
+            import obstore  # noqa: F401
+        except ImportError:
+            return None
+        session = dict(fs.client_kwargs or {})
+        request = dict(fs.kwargs or {})
+        if session.pop("trust_env", False) or any(os.environ.get(v) for v in _PROXY_ENV):
+            return None  # aiohttp would use .netrc and the proxies only with trust_env
+        verify: Any = request.pop("ssl", True)
+        if request.pop("verify_ssl", True) is False:
+            verify = False
+        if verify not in (True, False, None):
+            return None  # an SSLContext, a fingerprint: nothing obstore takes
+        headers = _headers(session.pop("headers", None), request.pop("headers", None))
+        if headers is None or session or request:
+            return None  # auth, cookies, a proxy, a timeout, a connector...
+        # allow_http is set per host's store; "https" here for the TLS options.
+        settings = _client_options(timeout_s, "https", False if verify is False else None)
+        user_agent = headers.pop("user-agent", None)
+        if user_agent is not None:
+            settings["user_agent"] = user_agent
+        if headers:
+            settings["default_headers"] = headers
+        return cls(settings, bool(getattr(fs, "encoded", False)), FsspecTransport(fs, timeout_s))
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
+        if start is not None and start == end:
+            return b""  # as fsspec answers, without a request
+        target = None if self._forked() else _http_target(path, self._encoded)
+        if target is None or target[0] in self._declined:
+            return self._fallback.get(path, start, end)
+        return self._get(target[0], target[1], path, start, end)
+
+    def find(self, root: str) -> dict[str, dict[str, Any]] | None:
+        return None
+
+
+# What reqwest takes from the environment (aiohttp without trust_env does not).
+_PROXY_ENV = tuple(
+    name for base in ("http_proxy", "https_proxy", "all_proxy") for name in (base, base.upper())
+)
+# Headers obstore writes itself, or whose answer it would not decode as aiohttp does.
+_OWN_HEADERS = {
+    "host", "range", "if-range", "content-length", "transfer-encoding", "connection",
+    "keep-alive", "te", "upgrade", "expect", "accept-encoding",
+}  # fmt: skip
+
+
+def _headers(*layers: Any) -> dict[str, str] | None:
+    """The session's headers updated by the request's (as aiohttp merges them), names in
+    lower case; None where one is not a plain string or is one obstore cannot send."""
+    merged: dict[str, str] = {}
+    for layer in layers:
+        if layer is None:
+            continue
+        if not isinstance(layer, Mapping):
+            return None
+        for name, value in layer.items():
+            if not isinstance(name, str) or not isinstance(value, str):
+                return None
+            if name.lower() in _OWN_HEADERS:
+                return None
+            merged[name.lower()] = value
+    return merged
+
+
+def _http_eligible(fs: Any) -> bool:
+    from fsspec.implementations import http
+
+    return (
+        isinstance(fs, http.HTTPFileSystem)
+        and is_http(fs)
+        and fs.get_client is http.get_client  # a custom client: who knows what it sends
+    )
+
+
+# What rust-url percent-encodes in a path segment (obstore's HTTPStore writes each segment
+# of the path so), besides controls and non-ASCII.
+_SEGMENT_QUOTED = frozenset(' "#<>?`{}/%\\')
+
+
+def _quote_segment(segment: str) -> str:
+    return "".join(
+        urllib.parse.quote(ch, safe="") if ch in _SEGMENT_QUOTED or ord(ch) > 0x7E else ch
+        for ch in segment
+    )
+
+
+def _http_target(url: str, encoded: bool) -> tuple[str, str] | None:
+    """(scheme://host:port, path in its HTTPStore) for an fsspec HTTP path, when obstore
+    requests exactly the URL aiohttp would (yarl's encoding of it); None where not: a query
+    string, a fragment, user:password (aiohttp sends it as basic auth), an empty, ``.`` or
+    ``..`` segment, an encoded ``/`` or a control character, or a segment percent-encoded
+    otherwise."""
+    import yarl
+
+    try:
+        parsed = yarl.URL(url, encoded=encoded)
+        origin = str(parsed.origin())
+    except (ValueError, TypeError):
+        return None
+    raw_path = parsed.raw_path
+    if (
+        parsed.scheme not in ("http", "https")
+        or parsed.raw_user is not None
+        or parsed.raw_password is not None
+        or parsed.raw_query_string
+        or parsed.raw_fragment
+        or not raw_path.startswith("/")
+    ):
+        return None
+    segments = []
+    for raw in raw_path[1:].split("/"):
+        try:
+            segment = urllib.parse.unquote(raw, errors="strict")
+        except UnicodeDecodeError:
+            return None
+        if (
+            segment in ("", ".", "..")
+            or "/" in segment  # obstore would split it
+            or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in segment)
+            or _quote_segment(segment) != raw
+        ):
+            return None
+        segments.append(segment)
+    return origin, "/".join(segments)
 
 
 class _Credentials:
@@ -244,6 +445,8 @@ def _translate(exc: BaseException, timeout_s: float) -> BaseException:
     text = str(exc)
     match = _STATUS.search(text)
     if match is None:
+        if _UNFOLLOWED.search(text):
+            return Declined(0)
         if type(exc).__name__ == "FileNotFoundError" or isinstance(exc, FileNotFoundError):
             return FileNotFoundError("not found")
         if "timed out" in text or "Timeout" in text:
@@ -255,13 +458,22 @@ def _translate(exc: BaseException, timeout_s: float) -> BaseException:
         return ConnectionError(scrub(head)[:200])
     status = int(match.group(1))
     body = _BODY.search(text)
-    error = HTTPResponseError.from_body(status, body.group(0).encode() if body else b"")
+    answer = NotFoundResponse if status == 404 else HTTPResponseError
+    error = answer.from_body(status, body.group(0).encode() if body else b"")
     if 300 <= status < 400 or (status == 400 and error.error_code in _REGION_CODES):
         return Declined(status)
     return error
 
 
+class NotFoundResponse(HTTPResponseError, FileNotFoundError):
+    """A 404: a FileNotFoundError (as fsspec raises for one) that keeps the status and the
+    remote's error code and message."""
+
+
 _CERTIFICATE = re.compile(r"InvalidCertificate\(\s*(\w+)")
+# Answers object_store does not follow and fsspec does: a range answered with the whole
+# object (200), a response without Content-Length (chunked) or with headers it cannot parse.
+_UNFOLLOWED = re.compile(r"RangeNotSupported|Range request not supported|source: Header \{")
 _REGION_CODES = {"AuthorizationHeaderMalformed", "IllegalLocationConstraintException"}
 
 
@@ -307,7 +519,10 @@ def transport_for(
     with _by_fs_lock:
         transport = _by_fs.get(key)
     if transport is None:
-        made = None if fsspec_only else ObjectStoreTransport.from_s3fs(fs, timeout_s)
+        made: Transport | None = None
+        if not fsspec_only:
+            made = ObjectStoreTransport.from_s3fs(fs, timeout_s)
+            made = made or ObjectStoreHTTPTransport.from_http(fs, timeout_s)
         transport = made if made is not None else FsspecTransport(fs, timeout_s)
         with _by_fs_lock:
             transport = _by_fs.setdefault(key, transport)
