@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -290,6 +292,25 @@ def test_fetch_lock_is_exclusive_within_a_process(tmp_path: Path) -> None:
         assert cache.try_fetch_lock("s3://b/other") is not None
         lock.release()
         lock.release()  # idempotent
+        assert cache.try_fetch_lock("s3://b/a") is not None
+
+
+def test_a_release_wakes_the_threads_of_its_process_waiting_for_locks(tmp_path: Path) -> None:
+    """Another process's release is seen by polling; a thread of this one (a loader's batch
+    waiting on its staging round) is woken by the release itself."""
+    with Cache(tmp_path) as cache:
+        lock = cache.try_fetch_lock("s3://b/a")
+        assert lock is not None
+        waiter = threading.Thread(target=cache.fetch_locks.wait, args=(600.0,))
+        waiter.start()
+        for _ in range(1000):  # until it waits (Condition's own list of its waiters)
+            if cache.fetch_locks._released._waiters:  # type: ignore[attr-defined]
+                break
+            time.sleep(0.01)
+        assert waiter.is_alive()  # nothing released yet
+        lock.release()
+        waiter.join(60)  # far less than its 600 s: only the release can have woken it
+        assert not waiter.is_alive()
         assert cache.try_fetch_lock("s3://b/a") is not None
 
 

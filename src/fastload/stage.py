@@ -521,7 +521,7 @@ class _Round:
                     else:
                         self._finish(self._drain(first))
                 elif self.waiting:
-                    time.sleep(delay)
+                    self.cache.fetch_locks.wait(delay)
                     delay = min(delay * 2, 0.05)
                 if self.waiting:
                     self._retry_waiting()

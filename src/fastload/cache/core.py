@@ -301,7 +301,7 @@ class Cache:
         while (lock := self.try_fetch_lock(url, span)) is None:
             if time.monotonic() >= deadline:
                 raise self.lock_timeout(url)
-            time.sleep(delay)
+            self.fetch_locks.wait(delay)
             delay = min(delay * 2, 0.05)
         return lock
 

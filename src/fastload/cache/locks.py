@@ -42,6 +42,9 @@ class FetchLocks:
         self._pid = -1
         self._held: set[str] = set()
         self._mutex = threading.Lock()
+        # Notified on every release: a thread waiting for an entry another thread of this
+        # process is fetching wakes when it is done, not at its next poll (up to 50 ms).
+        self._released = threading.Condition(self._mutex)
 
     def _file(self) -> int:
         if self._pid != os.getpid():  # record locks are not inherited by a forked child
@@ -72,6 +75,13 @@ class FetchLocks:
             if oid in self._held and self._pid == os.getpid():
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, self._offset(oid))
             self._held.discard(oid)
+            self._released.notify_all()
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleeps up to timeout_s, less if a lock of this process is released meanwhile
+        (another process's release is seen only by polling: the kernel tells no one)."""
+        with self._mutex:
+            self._released.wait(timeout_s)
 
 
 @dataclass
