@@ -480,3 +480,17 @@ def test_no_header_secret_in_errors_from_obstore(
     with pytest.raises(RemoteNotFoundError) as missing:
         store.stager.stage([RemoteObject("missing.bin", 1, None)])
     assert_clean(missing.value)
+
+
+def test_a_local_filesystem_never_imports_the_http_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bare install has no aiohttp, which fsspec's http module imports: choosing the
+    transport of a local folder must not import it (the bare-install check found
+    `fastload warm` of a local folder failing with ModuleNotFoundError)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # importing it raises ImportError
+    monkeypatch.delitem(sys.modules, "fsspec.implementations.http", raising=False)
+    made = transport.transport_for(fsspec.filesystem("file", skip_instance_cache=True), 10)
+    assert isinstance(made, transport.FsspecTransport)

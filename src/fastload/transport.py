@@ -356,11 +356,12 @@ def _headers(*layers: Any) -> dict[str, str] | None:
 
 
 def _http_eligible(fs: Any) -> bool:
+    if not is_http(fs):  # before the import: fsspec's http module needs aiohttp (an extra)
+        return False
     from fsspec.implementations import http
 
     return (
         isinstance(fs, http.HTTPFileSystem)
-        and is_http(fs)
         and fs.get_client is http.get_client  # a custom client: who knows what it sends
     )
 
