@@ -16,7 +16,13 @@ import pytest
 from conftest import Remote, open_remote
 
 from fastload.cache import Cache, checksum_bytes
-from fastload.errors import CacheError, RemoteAccessError, RemoteError, RemoteNotFoundError
+from fastload.errors import (
+    CacheError,
+    MissingBackendError,
+    RemoteAccessError,
+    RemoteError,
+    RemoteNotFoundError,
+)
 from fastload.stage import FetchConfig
 from fastload.warm import warm
 
@@ -563,3 +569,35 @@ def test_cli_warms_a_node_share(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["fetched"] == len(expected)
         assert {k for k in remote.files if remote.gets(k)} == set(expected)
+
+
+def test_a_missing_package_fails_at_once_naming_the_url_and_the_extra(
+    remote: Remote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ImportError from the transport is not a network hiccup: no retries (a bare
+    install's warm once retried `No module named 'aiohttp'` six times)."""
+    import fastload.stage as stage
+
+    calls = []
+
+    class NeedsAPackage:
+        def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+            calls.append(path)
+            raise ModuleNotFoundError("No module named 'aiohttp'")
+
+        def find(self, root: str) -> None:
+            return None
+
+    monkeypatch.setattr(stage, "transport_for", lambda *a, **k: NeedsAPackage())
+    key = sorted(remote.files)[0]
+    with pytest.raises(MissingBackendError, match=r"(?s)aiohttp.*fastload\[s3\]") as raised:
+        warm(
+            remote.url,
+            cache_dir=str(tmp_path / "cache"),
+            storage_options=remote.storage_options,
+            keys=[key],
+            fetch=QUICK_RETRIES,
+            progress=False,
+        )
+    assert key.split("/")[-1] in str(raised.value)
+    assert len(calls) == 1

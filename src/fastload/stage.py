@@ -31,7 +31,7 @@ from typing import Literal
 import fsspec
 
 from fastload.cache import Cache, FetchLock, PartFile
-from fastload.errors import FastloadError, RemoteError
+from fastload.errors import FastloadError, MissingBackendError, RemoteError
 from fastload.manifest import Manifest, RemoteObject
 from fastload.remote import (
     backoff_s,
@@ -41,6 +41,7 @@ from fastload.remote import (
     is_throttling,
     is_transient,
     path_of,
+    public_url,
     scrub,
     with_retries,
 )
@@ -415,6 +416,12 @@ class Stager:
                 data = transport.get(path)
         except FastloadError:
             raise
+        except ImportError as exc:  # no retry brings a package: fail now, saying which
+            raise MissingBackendError(
+                f"fetching {public_url(url)} needs a package that is not installed "
+                f"({exc}); install fastload's extra for its protocol, e.g. "
+                '`pip install "fastload[s3]"` or `"fastload[http]"`'
+            ) from None
         except Exception as exc:
             raise classify(exc, url) from clean_cause(exc)
         if size is not None and len(data) != size:
