@@ -8,9 +8,11 @@ Pillow's decode and plain torch ops, never through the backend's own helpers.
 from __future__ import annotations
 
 import io
+import itertools
 import multiprocessing
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from PIL import Image
 
 from fastload.decode.base import DecodeConfig, DecodeError
 from fastload.decode.cpu import CPUDecoder, decode_rgb
+from fastload.decode.native_jpeg import native_jpeg_available, native_jpeg_status
 from fastload.decode.params import EvalPreset, TrainPreset, augment_for
 
 U8 = npt.NDArray[np.uint8]
@@ -83,9 +86,25 @@ def large_photos() -> list[bytes]:
     return [encode(natural(100 + i, 1000 + 40 * i, 1200 - 30 * i)) for i in range(6)]
 
 
+_native_path = [True]  # set per test by the jpeg_path fixture
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def jpeg_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test runs on both paths: the native JPEG transform and simplejpeg + torch."""
+    if request.param == "native" and not native_jpeg_available():
+        if "disabled" in native_jpeg_status():
+            pytest.skip(native_jpeg_status())
+        pytest.fail(f"the native JPEG transform did not load: {native_jpeg_status()}")
+    _native_path[0] = request.param == "native"
+    yield request.param
+    _native_path[0] = True
+
+
 def decoder(transform: Any = None, **kw: Any) -> CPUDecoder:
     options = {"dct_scaling": kw.pop("dct_scaling")} if "dct_scaling" in kw else {}
-    return CPUDecoder(DecodeConfig(transform=transform, seed=kw.pop("seed", 7), **kw), **options)
+    config = DecodeConfig(transform=transform, seed=kw.pop("seed", 7), **kw)
+    return CPUDecoder(config, native=_native_path[0], **options)
 
 
 def decode(dec: CPUDecoder, data: list[bytes], start: int = 0, **kw: Any) -> Any:
@@ -500,7 +519,8 @@ def test_memoryview_and_bytearray_inputs(photos: list[bytes]) -> None:
 
 def test_close_is_idempotent_and_stops_the_threads(photos: list[bytes]) -> None:
     dec = decoder(TrainPreset(), num_threads=3)
-    decode(dec, photos[:6])
+    png = encode(natural(5, 40, 50), "PNG")  # a PNG takes the Python threads on either path
+    decode(dec, [*photos[:6], png])
     assert any(t.name.startswith("fastload-decode") for t in threading.enumerate())
     dec.close()
     dec.close()
@@ -603,3 +623,60 @@ def test_the_benchmark_peers_torch_ops_match_the_references(photos: list[bytes])
         assert train.dtype == torch.float32
         assert train.is_contiguous()
         assert (train - reference).abs().max() <= 1.05 * ONE_LEVEL
+
+
+# --- the native JPEG transform ----------------------------------------------------------------
+
+
+def test_native_and_python_paths_agree_on_a_mixed_batch(photos: list[bytes]) -> None:
+    """JPEGs natively, the rest (PNG, CMYK, progressive and grayscale JPEGs natively too) by
+    whichever path takes them: one batch, the same pixels as the Python path's."""
+    if not native_jpeg_available():
+        pytest.skip(native_jpeg_status())
+    batch = [
+        *photos[:4],
+        encode(natural(20, 300, 280), "PNG"),
+        encode(natural(21, 260, 300), mode="CMYK", quality=95),
+        encode(natural(22, 280, 260), progressive=True),
+        encode(natural(23, 250, 330)[:, :, 0], mode="L"),
+        encode(natural(24, 1500, 1100)),  # DCT-scaled
+    ]
+    for preset in (TrainPreset(), EvalPreset()):
+        results = []
+        for native in (True, False):
+            config = DecodeConfig(transform=preset, seed=5, layout="NHWC")
+            with CPUDecoder(config, native=native) as dec:
+                assert dec.native is native
+                results.append(decode(dec, batch, start=40, epoch=3).images.clone())
+        levels = (results[0] - results[1]).abs() * torch.tensor([0.229, 0.224, 0.225]) * 255
+        assert levels.max() <= 1.01  # the two resizes round differently, by one level at most
+        assert levels.mean() < 0.05
+
+
+def test_the_native_transform_releases_the_gil_while_a_batch_decodes(
+    large_photos: list[bytes],
+) -> None:
+    """A Python thread keeps running while a batch decodes: the longest pause it sees is a
+    small part of the decode, not all of it (as it would be if the GIL were held)."""
+    if not native_jpeg_available():
+        pytest.skip(native_jpeg_status())
+    spans: list[tuple[float, float]] = []
+    with CPUDecoder(DecodeConfig(transform=EvalPreset(), num_threads=1), native=True) as dec:
+        batch = large_photos * 6
+        decode(dec, batch[:2])  # warm: pool and buffers exist
+
+        def run() -> None:
+            start = time.perf_counter()
+            decode(dec, batch)
+            spans.append((start, time.perf_counter()))
+
+        ticks: list[float] = []
+        worker = threading.Thread(target=run)
+        worker.start()
+        while worker.is_alive():
+            ticks.append(time.perf_counter())
+        worker.join()
+    start, end = spans[0]
+    inside = [start, *(t for t in ticks if start < t < end), end]
+    longest = max(b - a for a, b in itertools.pairwise(inside))
+    assert longest < (end - start) / 3, (longest, end - start)

@@ -11,19 +11,12 @@
 #include <thread>
 #include <vector>
 
+#include "check.hpp"
 #include "reader.hpp"
 
 namespace {
 
-int failures = 0;
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                   \
-    }                                                                               \
-  } while (0)
+using fastload_test::failures;
 
 std::string make_file(const std::vector<std::byte>& content) {
   char name[] = "/tmp/fastload_test_XXXXXX";

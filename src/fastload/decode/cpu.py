@@ -56,6 +56,7 @@ from fastload.decode.base import (
     DecodeError,
     sample_name,
 )
+from fastload.decode.native_jpeg import jpeg_transform, native_jpeg_available, native_jpeg_status
 from fastload.decode.params import Augment, EvalPreset, TrainPreset, augment_for
 
 __all__ = ["MAX_PIXELS", "CPUDecoder", "decode_rgb"]
@@ -140,13 +141,8 @@ class _Encoded:
             ) from None
 
     def reduction_for(self, box: Augment) -> int:
-        """The largest DCT reduction (8, 4, 2, else 1) keeping ``box`` >= the output size."""
-        if not self.is_jpeg:
-            return 1
-        for f in _REDUCTIONS:
-            if box.crop_h >= f * box.out_h and box.crop_w >= f * box.out_w:
-                return f
-        return 1
+        """The DCT reduction for ``box`` (see :func:`_reduction`); 1 for other formats."""
+        return _reduction(box) if self.is_jpeg else 1
 
     def decode(self, reduce: int = 1) -> RGBArray:
         """(H, W, 3) uint8 RGB, of ceil(height / reduce) x ceil(width / reduce) for JPEGs."""
@@ -222,13 +218,23 @@ def decode_rgb(data: bytes | memoryview, reduce: int = 1) -> npt.NDArray[np.uint
         raise DecodeError(str(e)) from None
 
 
-def _scaled_box(box: Augment, enc: _Encoded, image: RGBArray, reduce: int) -> tuple[int, ...]:
-    """The crop box in the decoded image's pixels (top, bottom, left, right)."""
-    h, w = image.shape[:2]
-    if reduce == 1 or (h, w) == (enc.height, enc.width):
+def _reduction(box: Augment) -> int:
+    """The largest DCT reduction (8, 4, 2, else 1) keeping ``box`` >= the output size."""
+    for f in _REDUCTIONS:
+        if box.crop_h >= f * box.out_h and box.crop_w >= f * box.out_w:
+            return f
+    return 1
+
+
+def _scaled_box(
+    box: Augment, height: int, width: int, h: int, w: int, reduce: int
+) -> tuple[int, int, int, int]:
+    """The crop box (top, bottom, left, right) in the pixels of the image of ``height`` x
+    ``width`` decoded at 1/``reduce`` into ``h`` x ``w``."""
+    if reduce == 1 or (h, w) == (height, width):
         return box.top, box.top + box.crop_h, box.left, box.left + box.crop_w
-    sy, sx = h / enc.height, w / enc.width
-    if (h, w) == (-(-enc.height // reduce), -(-enc.width // reduce)):
+    sy, sx = h / height, w / width
+    if (h, w) == (-(-height // reduce), -(-width // reduce)):
         sy = sx = 1 / reduce  # libjpeg maps each 8x8 block onto a (8 / reduce)^2 one exactly
     top, left = round(box.top * sy), round(box.left * sx)
     bottom = max(top + 1, min(h, round((box.top + box.crop_h) * sy)))
@@ -251,18 +257,29 @@ class _Job:
 class CPUDecoder:
     """Decodes batches on the CPU (see the module docstring); results on ``config.device``.
 
-    ``dct_scaling=False`` always decodes at full size (for comparison; results differ only
-    within the resize tolerance). Threads start on first use and stay across batches;
-    ``close()`` stops them. After a fork the child starts its own.
+    With a preset and results on the CPU, JPEGs go through the native batch transform
+    (``fastload.decode.native_jpeg``) where it loads: ``native=None`` (the default) uses it
+    then, ``True`` requires it, ``False`` keeps the Python path (for comparison). Samples it
+    cannot do (other formats, CMYK, corrupt data) take the Python path, which decodes them
+    or names them in the error. ``dct_scaling=False`` always decodes at full size (for
+    comparison; results differ only within the resize tolerance). Threads start on first use
+    and stay across batches; ``close()`` stops them. After a fork the child starts its own.
     """
 
     backend = "cpu"
 
-    def __init__(self, config: DecodeConfig, *, dct_scaling: bool = True) -> None:
+    def __init__(
+        self, config: DecodeConfig, *, dct_scaling: bool = True, native: bool | None = None
+    ) -> None:
         _simplejpeg()  # fail at construction, naming the package, not on the first batch
         self.config = config
         self.dct_scaling = dct_scaling
         self.device = torch.device(config.device)
+        if native and not native_jpeg_available():
+            raise BackendUnavailableError(
+                f"native=True, but the native JPEG transform is not available: "
+                f"{native_jpeg_status()}"
+            )
         preset = config.transform
         self._preset: TrainPreset | EvalPreset | None = (
             preset if isinstance(preset, TrainPreset | EvalPreset) else None
@@ -278,6 +295,15 @@ class CPUDecoder:
             std = torch.tensor(self._preset.std, dtype=torch.float64) * 255
             self._mean = mean.to(torch.float32).reshape(shape).to(self.device)
             self._std = std.to(torch.float32).reshape(shape).to(self.device)
+        self.native = (
+            native is not False
+            and native_jpeg_available()
+            and self._preset is not None
+            and self.device.type == "cpu"
+        )
+        self._mean_values = self._mean.flatten().tolist()  # float32 values, as torch uses them
+        self._std_values = self._std.flatten().tolist()
+        self._jpeg: Any = None  # the native transform, made per process on first use
         self._pool: ThreadPoolExecutor | None = None
         self._buffers: list[npt.NDArray[np.float32]] = []
         self._pid = -1
@@ -293,6 +319,8 @@ class CPUDecoder:
             if self._closed:
                 raise ValueError("decode on a closed CPUDecoder; make a new one")
             if self._pid != os.getpid():  # first use, or first use in a forked child
+                if self.native:
+                    self._jpeg = jpeg_transform(self.config.num_threads)
                 self._pool = ThreadPoolExecutor(
                     self.config.num_threads,
                     thread_name_prefix="fastload-decode",
@@ -326,15 +354,52 @@ class CPUDecoder:
             shape = (n, 3, size, size) if self.config.layout == "NCHW" else (n, size, size, 3)
             out = self._output(shape)
         job = _Job(encoded, indices, epoch, out, [None] * n, [None] * n)
-        if n:
-            order = iter(range(n))
-            workers = min(n, self.config.num_threads)
+        todo: Sequence[int] = range(n)
+        if n and self.native:
+            todo = self._decode_native(job)
+        if todo:
+            order = iter(todo)
+            workers = min(len(todo), self.config.num_threads)
             futures: list[Future[None]] = [
                 pool.submit(self._drain, job, order) for _ in range(workers)
             ]
             for future in futures:
                 future.result()  # re-raises what was not a bad-input error (a bug, MemoryError)
         return self._collect(job, names)
+
+    def _decode_native(self, job: _Job) -> list[int]:
+        """The batch's JPEGs through the native transform, in two calls that release the
+        GIL; returns the samples left to the Python path (not JPEG, or not done natively)."""
+        preset, out = self._preset, job.out
+        assert preset is not None
+        assert out is not None
+        assert self._jpeg is not None
+        images = job.encoded if isinstance(job.encoded, list) else list(job.encoded)
+        sizes = self._jpeg.sizes(images).tolist()
+        boxes = np.zeros((len(images), 6), dtype=np.int32)  # reduce 0: the Python path's
+        seed, epoch = self.config.seed, job.epoch
+        indices = [int(k) for k in job.indices]
+        for i, (height, width) in enumerate(sizes):
+            if height <= 0:
+                continue
+            box = augment_for(preset, height, width, seed=seed, epoch=epoch, index=indices[i])
+            reduce = _reduction(box) if self.dct_scaling else 1
+            h, w = -(-height // reduce), -(-width // reduce)
+            if h * w > MAX_PIXELS:
+                continue  # the Python path names it
+            boxes[i, :5] = (reduce, *_scaled_box(box, height, width, h, w, reduce))
+            boxes[i, 5] = box.flip
+        failed = self._jpeg.run(
+            images,
+            boxes,
+            out.numpy(),
+            preset.size,
+            preset.size,
+            self.config.layout == "NHWC",
+            self._mean_values,
+            self._std_values,
+        )
+        return [i for i, _ in failed]
 
     def _output(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
         """A float32 batch tensor; on the CPU, memory of a batch nobody holds any more.
@@ -389,7 +454,8 @@ class CPUDecoder:
         )
         reduce = enc.reduction_for(box) if self.dct_scaling else 1
         decoded = enc.decode(reduce)
-        top, bottom, left, right = _scaled_box(box, enc, decoded, reduce)
+        h, w = decoded.shape[:2]
+        top, bottom, left, right = _scaled_box(box, enc.height, enc.width, h, w, reduce)
         crop = torch.from_numpy(decoded[top:bottom, left:right]).permute(2, 0, 1).unsqueeze(0)
         assert job.out is not None
         self._finish(crop, box, job.out[i])
@@ -470,7 +536,7 @@ class CPUDecoder:
                 return
             self._closed = True
             pool, self._pool = self._pool, None
-            self._buffers = []
+            self._buffers, self._jpeg = [], None
         if pool is not None and self._pid == os.getpid():
             pool.shutdown(wait=True)
 
