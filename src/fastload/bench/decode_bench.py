@@ -74,6 +74,7 @@ import torch.utils.data
 from fastload.bench.runner import Measurement, Report, relate
 from fastload.decode.base import DecodeConfig, Decoder
 from fastload.decode.cpu import CPUDecoder, decode_rgb
+from fastload.decode.native_jpeg import native_jpeg_status
 from fastload.decode.params import EvalPreset, TrainPreset
 
 REFERENCE = "torch DataLoader + Pillow"
@@ -303,14 +304,20 @@ def _decoder_epochs(work: Workload, decoder: Decoder) -> EpochFn:
 
 
 @contextmanager
-def _fastload_threads(work: Workload, *, dct_scaling: bool = True) -> Iterator[EpochFn]:
+def _fastload_threads(
+    work: Workload, *, dct_scaling: bool = True, native: bool | None = None
+) -> Iterator[EpochFn]:
     config = DecodeConfig(transform=work.preset, num_threads=work.workers)
-    with CPUDecoder(config, dct_scaling=dct_scaling) as decoder:
+    with CPUDecoder(config, dct_scaling=dct_scaling, native=native) as decoder:
         yield _decoder_epochs(work, decoder)
 
 
 def _fastload_no_dct(work: Workload) -> AbstractContextManager[EpochFn]:
     return _fastload_threads(work, dct_scaling=False)
+
+
+def _fastload_python_path(work: Workload) -> AbstractContextManager[EpochFn]:
+    return _fastload_threads(work, native=False)
 
 
 @contextmanager
@@ -442,7 +449,8 @@ def _dali_own_pipeline(work: Workload) -> Iterator[EpochFn]:
 def systems() -> list[System]:
     """Every system measured, fastload first; a peer joins by appending here."""
     found = [
-        System("fastload CPU", _fastload_threads, "threads, DCT-scaled decode"),
+        System("fastload CPU", _fastload_threads, f"native transform: {native_jpeg_status()}"),
+        System("fastload CPU, Python path", _fastload_python_path, "simplejpeg + torch, threads"),
         System("fastload CPU, DCT scaling off", _fastload_no_dct, "threads"),
         System("fastload CPU in DataLoader processes", _fastload_processes, "1 thread each"),
         System(REFERENCE, _dataloader_pillow, "uint8 crop + resize torch ops"),
