@@ -52,7 +52,8 @@ std::string transform_jpeg(const CropJob& job, const OutputSpec& spec, float* ou
 
 // Antialiased bilinear resize of RGBX uint8 pixels (4 bytes each; as torch's interpolate(
 // mode="bilinear", antialias=True, align_corners=False) and Pillow's BILINEAR reduce):
-// separable, horizontal pass first, each pass rounded to uint8. Exposed for the tests.
+// separable, the pass that shrinks rows first, each pass rounded to uint8. Exposed for the
+// tests.
 void resize_rgbx(const std::uint8_t* src, int src_h, int src_w, std::size_t src_stride,
                  std::uint8_t* dst, int dst_h, int dst_w, Scratch& scratch);
 

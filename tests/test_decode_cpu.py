@@ -649,8 +649,10 @@ def test_native_and_python_paths_agree_on_a_mixed_batch(photos: list[bytes]) -> 
                 assert dec.native is native
                 results.append(decode(dec, batch, start=40, epoch=3).images.clone())
         levels = (results[0] - results[1]).abs() * torch.tensor([0.229, 0.224, 0.225]) * 255
-        assert levels.max() <= 1.01  # the two resizes round differently, by one level at most
-        assert levels.mean() < 0.05
+        # The resizes round differently (the native one may shrink rows first): one level at
+        # most, and rarely; a box off by a pixel or a missed flip moves tens of levels.
+        assert levels.max() <= 1.01
+        assert levels.mean() < 0.25
 
 
 def test_the_native_transform_releases_the_gil_while_a_batch_decodes(

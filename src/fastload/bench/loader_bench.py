@@ -97,16 +97,20 @@ from fastload.bench.runner import (
     relate,
     step_lost,
 )
+from fastload.decode.base import DecodeConfig
+from fastload.decode.cpu import CPUDecoder
 from fastload.decode.params import TrainPreset
 
 CASES = ("memory", "jpeg", "zarr")
 FASTLOAD = "fastload DataLoader"
+SAME_DECODER = "torch DataLoader + fastload's decoder"
 # Each case's systems, the reference (a torch DataLoader peer) first.
 SYSTEMS: dict[str, tuple[str, ...]] = {
     "memory": ("torch DataLoader", FASTLOAD),
     "jpeg": (
         "torch DataLoader + Pillow",
         "torch DataLoader + simplejpeg",
+        SAME_DECODER,
         f"{FASTLOAD}, decode='cpu'",
     ),
     "zarr": ("torch DataLoader + zarr-python", FASTLOAD),
@@ -116,6 +120,7 @@ NOTES = {
     ("memory", FASTLOAD): "hands it to torch: processes",
     ("jpeg", "torch DataLoader + Pillow"): "processes, float32 torch ops",
     ("jpeg", "torch DataLoader + simplejpeg"): "processes, float32 torch ops",
+    ("jpeg", SAME_DECODER): "processes, a batch per __getitems__, 1 decode thread each",
     ("jpeg", f"{FASTLOAD}, decode='cpu'"): "threads, from its cache",
     ("zarr", "torch DataLoader + zarr-python"): "processes",
     ("zarr", FASTLOAD): "threads, from its cache",
@@ -317,6 +322,8 @@ def _loader(spec: dict[str, Any]) -> torch.utils.data.DataLoader[Any]:
                 f"{data['jpeg_dir']} holds {len(paths)} JPEGs, expected {config.images}; "
                 "run the benchmark through loader_bench.run, which generates them"
             )
+        if system == SAME_DECODER:
+            return DataLoader(DecodedFiles(paths, preset, config.seed), **common)
         read = decode_bench.pillow_rgb if system.endswith("Pillow") else decode_bench.simplejpeg_rgb
         dataset = decode_bench.ImageFiles(paths, preset, read)
         return DataLoader(dataset, **common)
@@ -326,6 +333,32 @@ def _loader(spec: dict[str, Any]) -> torch.utils.data.DataLoader[Any]:
         dataset = open_dataset(data["zarr_dir"], format="zarr", cache_dir=data["cache_dir"])
         return DataLoader(dataset, seed=config.seed, **common)
     return DataLoader(ZarrRows(data["zarr_dir"], config.zarr_rows), **common)
+
+
+class DecodedFiles(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """Image files through fastload's CPU decoder in each worker process, a whole batch per
+    call (torch's fetcher calls ``__getitems__`` with the batch's indices): the peer that
+    runs fastload's decoder in torch's DataLoader, as a careful user would."""
+
+    def __init__(self, paths: list[Path], preset: TrainPreset, seed: int) -> None:
+        self.paths, self.preset, self.seed = paths, preset, seed
+        self._decoder: CPUDecoder | None = None
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        if self._decoder is None:  # made in the worker process
+            config = DecodeConfig(transform=self.preset, seed=self.seed, num_threads=1)
+            self._decoder = CPUDecoder(config)
+        data = [self.paths[i].read_bytes() for i in indices]
+        images = self._decoder.decode(data, indices=indices).images
+        return [
+            (images[k], int(self.paths[i].parent.name.split("_")[1])) for k, i in enumerate(indices)
+        ]
 
 
 def _samples_in(batch: Any, case: str, config: LoaderBenchConfig) -> int:

@@ -20,7 +20,14 @@ from fastload.decode.base import (
     DecodeError,
     Decoder,
 )
-from fastload.decode.params import Augment, EvalPreset, TrainPreset, augment_for
+from fastload.decode.params import (
+    Augment,
+    AugmentTable,
+    EvalPreset,
+    TrainPreset,
+    augment_for,
+    augments,
+)
 
 log = logging.getLogger(__name__)
 _announced: set[str] = set()
@@ -67,7 +74,12 @@ def choose_backend(backend: Backend, device: str) -> tuple[str, str]:
         return "dali", "DALI and a CUDA device are present: decoding on the GPU"
     if device.startswith("cuda") and not dali_installed():
         return "cpu", f"no DALI ({DALI_PACKAGE}): decoding on the CPU, transforms on the GPU"
-    return "cpu", "no CUDA device: fastload's CPU path (DCT-scaled decode on threads)"
+    from fastload.decode.native_jpeg import native_jpeg_status
+
+    return (
+        "cpu",
+        f"no CUDA device: fastload's CPU path (native JPEG transform: {native_jpeg_status()})",
+    )
 
 
 def make_decoder(
@@ -108,6 +120,7 @@ def make_decoder(
 
 __all__ = [
     "Augment",
+    "AugmentTable",
     "BackendUnavailableError",
     "DecodeConfig",
     "DecodeError",
@@ -116,6 +129,7 @@ __all__ = [
     "EvalPreset",
     "TrainPreset",
     "augment_for",
+    "augments",
     "available_backends",
     "choose_backend",
     "make_decoder",

@@ -57,7 +57,7 @@ from fastload.decode.base import (
     sample_name,
 )
 from fastload.decode.native_jpeg import jpeg_transform, native_jpeg_available, native_jpeg_status
-from fastload.decode.params import Augment, EvalPreset, TrainPreset, augment_for
+from fastload.decode.params import Augment, EvalPreset, TrainPreset, augment_for, augments
 
 __all__ = ["MAX_PIXELS", "CPUDecoder", "decode_rgb"]
 
@@ -368,27 +368,39 @@ class CPUDecoder:
         return self._collect(job, names)
 
     def _decode_native(self, job: _Job) -> list[int]:
-        """The batch's JPEGs through the native transform, in two calls that release the
-        GIL; returns the samples left to the Python path (not JPEG, or not done natively)."""
+        """The batch's JPEGs through the native transform: two calls that release the GIL and
+        numpy on the whole batch in between (no Python work per sample). Returns the samples
+        left to the Python path (not JPEG, too large, or not done natively)."""
         preset, out = self._preset, job.out
         assert preset is not None
         assert out is not None
         assert self._jpeg is not None
         images = job.encoded if isinstance(job.encoded, list) else list(job.encoded)
-        sizes = self._jpeg.sizes(images).tolist()
-        boxes = np.zeros((len(images), 6), dtype=np.int32)  # reduce 0: the Python path's
-        seed, epoch = self.config.seed, job.epoch
-        indices = [int(k) for k in job.indices]
-        for i, (height, width) in enumerate(sizes):
-            if height <= 0:
-                continue
-            box = augment_for(preset, height, width, seed=seed, epoch=epoch, index=indices[i])
-            reduce = _reduction(box) if self.dct_scaling else 1
-            h, w = -(-height // reduce), -(-width // reduce)
-            if h * w > MAX_PIXELS:
-                continue  # the Python path names it
-            boxes[i, :5] = (reduce, *_scaled_box(box, height, width, h, w, reduce))
-            boxes[i, 5] = box.flip
+        sizes = self._jpeg.sizes(images)
+        height, width = sizes[:, 0].astype(np.int64), sizes[:, 1].astype(np.int64)
+        jpeg = height > 0
+        table = augments(
+            preset,
+            np.where(jpeg, height, 1),
+            np.where(jpeg, width, 1),
+            seed=self.config.seed,
+            epoch=job.epoch,
+            indices=np.asarray(job.indices, dtype=np.int64),
+        )
+        reduce = np.ones(len(images), dtype=np.int64)
+        if self.dct_scaling:  # the largest of 8, 4, 2 that keeps the box >= the output
+            for f in reversed(_REDUCTIONS):
+                fits = (table.crop_h >= f * table.out_h) & (table.crop_w >= f * table.out_w)
+                reduce[fits] = f
+        h, w = -(-height // reduce), -(-width // reduce)
+        jpeg &= h * w <= MAX_PIXELS  # larger ones: the Python path names them
+        # _scaled_box for every sample: libjpeg maps an 8x8 block onto (8 / reduce)^2 exactly.
+        top = np.rint(table.top / reduce).astype(np.int64)
+        left = np.rint(table.left / reduce).astype(np.int64)
+        bottom = np.maximum(top + 1, np.minimum(h, np.rint((table.top + table.crop_h) / reduce)))
+        right = np.maximum(left + 1, np.minimum(w, np.rint((table.left + table.crop_w) / reduce)))
+        boxes = np.stack([reduce, top, bottom, left, right, table.flip], axis=1).astype(np.int32)
+        boxes[~jpeg, 0] = 0  # reduce 0: the native side refuses it, the Python path takes it
         failed = self._jpeg.run(
             images,
             boxes,

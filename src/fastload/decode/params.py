@@ -2,7 +2,12 @@
 
 Every decode backend asks this module for the crop box and flip of each sample, so the same
 sample gets the same augmentation on DALI and on the CPU path, after a resume, and with any
-number of workers. The train preset follows torchvision's RandomResizedCrop (scale
+number of workers. A batch is drawn at once (:func:`augments`): each sample's draws come
+from a counter-based stream (splitmix64 of seed, epoch, index and draw number), so a batch
+of 64 costs a few numpy operations, not 64 generators (~25 us each: the GIL they held
+was the loader's largest per-sample cost). The stream changed with that (fastload 0.1.0,
+issue 14): a resume across the change gets other crops than the first run would have.
+The train preset follows torchvision's RandomResizedCrop (scale
 (0.08, 1), ratio (3/4, 4/3), ten tries then a center crop) and RandomHorizontalFlip; the
 eval preset is Resize(shorter side) then CenterCrop.
 """
@@ -13,6 +18,7 @@ import math
 from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -81,59 +87,174 @@ class Augment:
     flip: bool
 
 
-def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """The random stream of one sample in one epoch: independent of order and workers."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index, 0xA5])))
+# --- the random stream: counter-based, so a whole batch draws in a few numpy operations ----
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK = 2**64 - 1
+_TRAIN_DRAWS = 23  # 10 tries of (area, aspect), then top, left, flip
 
 
-def train_augment(
-    preset: TrainPreset, height: int, width: int, *, seed: int, epoch: int, index: int
-) -> Augment:
-    """torchvision's RandomResizedCrop.get_params, drawn from this sample's own stream."""
-    rng = sample_rng(seed, epoch, index)
-    area = height * width
-    log_ratio = (math.log(preset.ratio[0]), math.log(preset.ratio[1]))
-    for _ in range(10):
-        target_area = area * rng.uniform(preset.scale[0], preset.scale[1])
-        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
-        w = round(math.sqrt(target_area * aspect))
-        h = round(math.sqrt(target_area / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            break
-    else:  # fall back to a center crop of the allowed aspect ratio
-        in_ratio = width / height
-        if in_ratio < preset.ratio[0]:
-            w, h = width, round(width / preset.ratio[0])
-        elif in_ratio > preset.ratio[1]:
-            h, w = height, round(height * preset.ratio[1])
-        else:
-            w, h = width, height
-        top, left = (height - h) // 2, (width - w) // 2
-    flip = bool(rng.random() < preset.flip_p)
-    return Augment(top, left, h, w, preset.size, preset.size, flip)
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finalizer: a bijection of uint64 that scrambles every bit (wraps)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-def eval_augment(preset: EvalPreset, height: int, width: int) -> Augment:
-    """Resize(shorter side) + CenterCrop as one source box resized to the output size."""
-    short, long = (height, width) if height <= width else (width, height)
-    new_long = int(preset.resize * long / short)  # torchvision truncates
-    new_h, new_w = (preset.resize, new_long) if height <= width else (new_long, preset.resize)
+def sample_uniforms(
+    seed: int, epoch: int, indices: npt.ArrayLike, count: int
+) -> npt.NDArray[np.float64]:
+    """(len(indices), count) uniforms in [0, 1): draw j of sample i depends on (seed,
+    epoch, indices[i], j) only, never on the batch, its order or the worker."""
+    index = np.asarray(indices, dtype=np.int64).reshape(-1).astype(np.uint64)
+    words = np.array([seed & (2**64 - 1), epoch & (2**64 - 1)], dtype=np.uint64)
+    key = _mix(_mix(words[:1] + np.uint64(_GOLDEN)) ^ words[1:])  # (1,)
+    sample = _mix(key ^ _mix(index + np.uint64(_GOLDEN)))[:, None]
+    draw = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
+    bits = _mix(sample + draw[None, :])
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+@dataclass(frozen=True)
+class AugmentTable:
+    """The augmentation of a batch of samples, one array per field of :class:`Augment`."""
+
+    top: npt.NDArray[np.int64]
+    left: npt.NDArray[np.int64]
+    crop_h: npt.NDArray[np.int64]
+    crop_w: npt.NDArray[np.int64]
+    flip: npt.NDArray[np.bool_]
+    out_h: int
+    out_w: int
+
+    def __len__(self) -> int:
+        return len(self.top)
+
+    def row(self, i: int) -> Augment:
+        return Augment(
+            int(self.top[i]),
+            int(self.left[i]),
+            int(self.crop_h[i]),
+            int(self.crop_w[i]),
+            self.out_h,
+            self.out_w,
+            bool(self.flip[i]),
+        )
+
+
+def train_augments(
+    preset: TrainPreset,
+    heights: npt.ArrayLike,
+    widths: npt.ArrayLike,
+    *,
+    seed: int,
+    epoch: int,
+    indices: npt.ArrayLike,
+) -> AugmentTable:
+    """torchvision's RandomResizedCrop.get_params for a batch: per sample, up to ten tries of
+    an area in ``scale`` and a log-uniform aspect ratio in ``ratio``, the first that fits
+    wins; else a center crop of the allowed ratio. Then a flip with ``flip_p``."""
+    h = np.asarray(heights, dtype=np.int64).reshape(-1)
+    w = np.asarray(widths, dtype=np.int64).reshape(-1)
+    u = sample_uniforms(seed, epoch, indices, _TRAIN_DRAWS)
+    lo, hi = preset.scale
+    target = (h * w)[:, None] * (lo + (hi - lo) * u[:, 0:20:2])
+    log_lo, log_hi = math.log(preset.ratio[0]), math.log(preset.ratio[1])
+    aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, 1:20:2])
+    tries_w = np.rint(np.sqrt(target * aspect)).astype(np.int64)  # rint: Python's round
+    tries_h = np.rint(np.sqrt(target / aspect)).astype(np.int64)
+    fits = (tries_w > 0) & (tries_w <= w[:, None]) & (tries_h > 0) & (tries_h <= h[:, None])
+    first = fits.argmax(axis=1)
+    rows = np.arange(len(h))
+    crop_w, crop_h = tries_w[rows, first], tries_h[rows, first]
+    top = (u[:, 20] * (h - crop_h + 1)).astype(np.int64)  # uniform over 0 .. h - crop_h
+    left = (u[:, 21] * (w - crop_w + 1)).astype(np.int64)
+    missed = ~fits.any(axis=1)
+    if missed.any():  # a center crop of the allowed aspect ratio
+        mh, mw = h[missed], w[missed]
+        in_ratio = mw / mh
+        narrow, wide = in_ratio < preset.ratio[0], in_ratio > preset.ratio[1]
+        cw = np.where(narrow, mw, np.where(wide, np.rint(mh * preset.ratio[1]), mw))
+        ch = np.where(narrow, np.rint(mw / preset.ratio[0]), mh)
+        cw, ch = np.maximum(cw.astype(np.int64), 1), np.maximum(ch.astype(np.int64), 1)
+        crop_w[missed], crop_h[missed] = cw, ch
+        top[missed], left[missed] = (mh - ch) // 2, (mw - cw) // 2
+    flip = u[:, 22] < preset.flip_p
+    return AugmentTable(top, left, crop_h, crop_w, flip, preset.size, preset.size)
+
+
+def eval_augments(
+    preset: EvalPreset, heights: npt.ArrayLike, widths: npt.ArrayLike
+) -> AugmentTable:
+    """Resize(shorter side) + CenterCrop as one source box per sample resized to the output
+    size (see :class:`Augment`)."""
+    h = np.asarray(heights, dtype=np.int64).reshape(-1)
+    w = np.asarray(widths, dtype=np.int64).reshape(-1)
+    short, long = np.minimum(h, w), np.maximum(h, w)
+    new_long = (preset.resize * long / short).astype(np.int64)  # torchvision truncates
+    tall = h > w
+    new_h = np.where(tall, new_long, preset.resize)
+    new_w = np.where(tall, preset.resize, new_long)
     size = preset.size
-    top_r = round((new_h - size) / 2.0)
-    left_r = round((new_w - size) / 2.0)
-    # Map the crop in the resized image back to source pixels.
-    sy, sx = height / new_h, width / new_w
-    top, left = round(top_r * sy), round(left_r * sx)
-    crop_h = min(height - top, max(1, round(size * sy)))
-    crop_w = min(width - left, max(1, round(size * sx)))
-    return Augment(top, left, crop_h, crop_w, size, size, False)
+    sy, sx = h / new_h, w / new_w  # the crop in the resized image, mapped back to the source
+    top = np.rint(np.rint((new_h - size) / 2.0) * sy).astype(np.int64)
+    left = np.rint(np.rint((new_w - size) / 2.0) * sx).astype(np.int64)
+    crop_h = np.minimum(h - top, np.maximum(1, np.rint(size * sy).astype(np.int64)))
+    crop_w = np.minimum(w - left, np.maximum(1, np.rint(size * sx).astype(np.int64)))
+    return AugmentTable(top, left, crop_h, crop_w, np.zeros(len(h), bool), size, size)
+
+
+def augments(
+    preset: Preset,
+    heights: npt.ArrayLike,
+    widths: npt.ArrayLike,
+    *,
+    seed: int,
+    epoch: int,
+    indices: npt.ArrayLike,
+) -> AugmentTable:
+    """The augmentation of a batch: what :func:`augment_for` gives each sample."""
+    if isinstance(preset, TrainPreset):
+        return train_augments(preset, heights, widths, seed=seed, epoch=epoch, indices=indices)
+    return eval_augments(preset, heights, widths)
+
+
+def _mix_int(x: int) -> int:
+    """:func:`_mix` on one Python integer (a numpy call costs more than this)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _sample_key(seed: int, epoch: int, index: int) -> int:
+    key = _mix_int(_mix_int((seed + _GOLDEN) & _MASK) ^ (epoch & _MASK))
+    return _mix_int(key ^ _mix_int((index + _GOLDEN) & _MASK))
+
+
+def _draw(key: int, j: int) -> float:
+    """Draw j of the sample whose key is ``key``, as :func:`sample_uniforms` gives it."""
+    return (_mix_int((key + (j + 1) * _GOLDEN) & _MASK) >> 11) * 2.0**-53
 
 
 def augment_for(
     preset: Preset, height: int, width: int, *, seed: int, epoch: int, index: int
 ) -> Augment:
-    if isinstance(preset, TrainPreset):
-        return train_augment(preset, height, width, seed=seed, epoch=epoch, index=index)
-    return eval_augment(preset, height, width)
+    """One sample's crop box and flip: the row :func:`augments` gives it in any batch."""
+    if not isinstance(preset, TrainPreset):
+        return eval_augments(preset, height, width).row(0)
+    key = _sample_key(seed, epoch, index)
+    lo, hi = preset.scale
+    log_lo, log_hi = math.log(preset.ratio[0]), math.log(preset.ratio[1])
+    for t in range(10):  # the same arithmetic as train_augments, one try at a time
+        target = height * width * (lo + (hi - lo) * _draw(key, 2 * t))
+        aspect = float(np.exp(np.array([log_lo + (log_hi - log_lo) * _draw(key, 2 * t + 1)]))[0])
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(_draw(key, 20) * (height - h + 1))
+            left = int(_draw(key, 21) * (width - w + 1))
+            flip = _draw(key, 22) < preset.flip_p
+            return Augment(top, left, h, w, preset.size, preset.size, flip)
+    return train_augments(preset, height, width, seed=seed, epoch=epoch, indices=index).row(
+        0
+    )  # the rare center-crop fallback
