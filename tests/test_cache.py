@@ -65,6 +65,24 @@ def test_a_changed_remote_version_is_never_served_from_the_stale_copy(tmp_path: 
         assert cache.entry("s3://b/k") is None  # dropped, so it is refetched
 
 
+def test_lookup_many_answers_as_lookup_does_for_a_whole_batch(tmp_path: Path) -> None:
+    with Cache(tmp_path) as cache:
+        urls = [f"s3://b/{i}" for i in range(700)]  # more than one query's 500 ids
+        for i, url in enumerate(urls[:600]):
+            put(cache, url, b"x" * (i % 7 + 1), version=f"v{i}")
+        versions: list[str | None] = [f"v{i}" for i in range(700)]
+        sizes: list[int | None] = [i % 7 + 1 for i in range(700)]
+        versions[3], sizes[4], versions[5], sizes[5] = "other", 99, None, None
+        got = cache.lookup_many(urls, versions, sizes)
+        assert got[3] is None  # another version: refetched by the caller
+        assert got[4] is None  # another size
+        assert got[600:] == [None] * 100  # never cached
+        for i in [0, 5, 6, 599]:
+            assert got[i] == cache.lookup(urls[i])
+            assert got[i] is not None
+            assert Path(got[i].path).read_bytes()[: i % 7 + 1] == b"x" * (i % 7 + 1)
+
+
 def test_index_survives_reopening(tmp_path: Path) -> None:
     with Cache(tmp_path) as cache:
         put(cache, "http://h/a", b"abc")

@@ -163,6 +163,12 @@ class CachedStore:
         obj = self.object(key)
         return self.cache.lookup(self.manifest.object_url(obj), version=obj.version, size=obj.size)
 
+    def local_paths(self, keys: Sequence[str]) -> list[Location | None]:
+        """:meth:`local_path` of many keys at once (see ``Cache.lookup_many``)."""
+        objs = [self.object(k) for k in keys]
+        urls = [self.manifest.object_url(o) for o in objs]
+        return self.cache.lookup_many(urls, [o.version for o in objs], [o.size for o in objs])
+
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes [offset, offset + length) of key (to its end if length is None)."""
         obj = self.object(key)

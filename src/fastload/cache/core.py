@@ -250,6 +250,23 @@ class Cache:
             return None
         return location
 
+    def lookup_many(
+        self, urls: Sequence[str], versions: Sequence[str | None], sizes: Sequence[int | None]
+    ) -> list[Location | None]:
+        """:meth:`lookup` of whole objects, in one index query and without a ``stat`` per
+        file: a stale version is None (refetched by the caller's fallback), and a file cut
+        short shows as a short read, which the native reader reports."""
+        entries = self.index.entries_of([object_id(u) for u in urls])
+        out: list[Location | None] = []
+        for url, version, size in zip(urls, versions, sizes, strict=True):
+            entry = entries.get(object_id(url))
+            fresh = entry is not None and (version is None or entry.version == version)
+            if entry is None or not fresh or (size is not None and entry.size != size):
+                out.append(None)
+            else:
+                out.append(self.location_of(entry))
+        return out
+
     @contextlib.contextmanager
     def use(
         self, url: str, *, version: str | None = None, span: Span | None = None

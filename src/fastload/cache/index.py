@@ -232,6 +232,19 @@ class Index:
         )
         return Entry(*row) if row else None
 
+    def entries_of(self, oids: Sequence[str]) -> dict[str, Entry]:
+        """The entries of those ids that exist, in one query per 500 ids (a loader's batch
+        asks once, not once per sample: each query releases and retakes the GIL)."""
+        found: dict[str, Entry] = {}
+        db = self.reader()
+        for i in range(0, len(oids), 500):  # SQLite's limit on bound parameters
+            chunk = list(oids[i : i + 500])
+            marks = ", ".join("?" * len(chunk))
+            rows = db.execute(f"SELECT {_COLUMNS} FROM objects WHERE id IN ({marks})", chunk)
+            for row in rows.fetchall():
+                found[row[0]] = Entry(*row)
+        return found
+
     def entries(self) -> list[Entry]:
         rows = self.reader().execute(f"SELECT {_COLUMNS} FROM objects ORDER BY url, start")
         return [Entry(*r) for r in rows.fetchall()]
