@@ -13,7 +13,9 @@ import hashlib
 import io
 import json
 import os
+import sys
 import tarfile
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -583,3 +585,39 @@ def test_loader_counts_line_up_with_the_datasets_it_reads(source: Source, tmp_pa
         assert sizes == expected
         assert loader.stats()["samples"] == sum(expected)
         loader.close()
+
+
+def _task_nice(tid: str) -> int:
+    """A thread's nice value, from /proc (field 19 of its stat; the name may hold spaces)."""
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[16])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_loaders_threads_and_the_native_ones_they_start_run_at_thread_nice(
+    source: Source, tmp_path: Path
+) -> None:
+    dataset = fl.open_dataset(str(source.root / "folder"), cache_dir=str(tmp_path))
+    before = set(os.listdir("/proc/self/task"))
+    base = _task_nice(str(threading.get_native_id()))
+    loader = fl.DataLoader(
+        dataset,
+        batch_size=6,
+        num_workers=2,
+        decode="cpu",
+        transform=TrainPreset(SIZE),
+        thread_nice=7,
+    )
+    batches = iter(loader)
+    next(batches)
+    next(batches)
+    started = set(os.listdir("/proc/self/task")) - before
+    python_threads = {str(t.native_id) for t in threading.enumerate()}
+    native = started - python_threads
+    assert len(started & python_threads) >= 3  # the dispatcher and two workers at least
+    assert native  # the native reader's and the JPEG transform's threads
+    assert {tid: _task_nice(tid) for tid in started} == dict.fromkeys(started, min(19, base + 7))
+    assert _task_nice(str(threading.get_native_id())) == base  # the caller's is untouched
+    loader.close()
+    with pytest.raises(ValueError, match="thread_nice"):
+        fl.DataLoader(dataset, batch_size=6, num_workers=2, thread_nice=20)

@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.utils.data import default_collate
@@ -203,15 +203,16 @@ class BatchBuilder:
         store = ds.store
         ranges: list[list[Range] | None] = [ds.sample_ranges(i) for i in indices]
         shards = [ds.shard_of(i) for i in indices]
-        paths: dict[str, Location | None] = {}
         reads: dict[str, int] = {}  # samples of this batch reading each object
         shard_samples: dict[str, int] = {}  # samples of the shard of each object
         for rs, shard in zip(ranges, shards, strict=True):
             for key in {key for key, _, _ in rs or ()}:
-                if key not in paths:
-                    paths[key] = self._located(key)
+                if key not in reads:
                     shard_samples[key] = ds.shard_sizes[shard]
                 reads[key] = reads.get(key, 0) + 1
+        # One index query for the batch (each query releases and retakes the GIL).
+        located = store.local_paths(list(reads))
+        paths: dict[str, Location | None] = dict(zip(reads, located, strict=True))
         self._note_needed(ds.shard_keys[s] for s in shards)
         held: dict[str, memoryview] = {}
         missing = [
@@ -307,25 +308,21 @@ class BatchBuilder:
             return image, label
         return sample, None
 
-    def _names(self, indices: list[int]) -> list[str]:
+    def _name(self, index: int) -> str:
         ds = self.dataset
         if isinstance(ds, FileDataset):
-            return [ds.store.object_url(ds.keys[i]) for i in indices]
+            return ds.store.object_url(ds.keys[index])
         if isinstance(ds, TarDataset):
-            return [
-                f"{ds.key(i)} in {ds.store.object_url(ds.shard_keys[ds.shard_of(i)][0])}"
-                for i in indices
-            ]
-        return [f"{ds.store.url}[{i}]" for i in indices]
+            return f"{ds.key(index)} in {ds.store.object_url(ds.shard_keys[ds.shard_of(index)][0])}"
+        return f"{ds.store.url}[{index}]"
 
     def _decode(self, indices: list[int], samples: list[Any], epoch: int) -> Any:
         assert self.decoder is not None
         pairs = [self._split(s, i) for s, i in zip(samples, indices, strict=True)]
         encoded = [p[0] for p in pairs]
         labels = [p[1] for p in pairs]
-        decoded = self.decoder.decode(
-            encoded, indices=indices, epoch=epoch, names=self._names(indices)
-        )
+        names = _SampleNames(self._name, indices)  # made only for an error message
+        decoded = self.decoder.decode(encoded, indices=indices, epoch=epoch, names=names)
         images, kept = decoded.images, decoded.kept
         if decoded.skipped:
             self.stats.skipped([reason for _, reason in decoded.skipped])
@@ -356,3 +353,25 @@ class BatchBuilder:
         if not has_labels:
             return images
         return images, default_collate(labels)
+
+
+class _SampleNames(Sequence[str]):
+    """The names (URL or key) of a batch's samples, each made when an error asks for it:
+    a batch that decodes cleanly formats none."""
+
+    def __init__(self, name: Callable[[int], str], indices: list[int]) -> None:
+        self._name, self._indices = name, indices
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self._name(k) for k in self._indices[i]]
+        return self._name(self._indices[i])

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 # Bytes of samples staged ahead of the training step, by default.
 DEFAULT_LOOKAHEAD_BYTES = 1 << 30
+# The loader's threads (and the native ones they start) run this much below the training
+# step's: on a machine short of cores the step keeps its core, the loader takes what is left.
+DEFAULT_THREAD_NICE = 10
 # Objects one staging round asks for at most (the stager keeps 64 in flight).
 _STAGE_ROUND_OBJECTS = 512
 # The holding area (objects a full pin cache turns away, fetched ahead into memory) holds at
@@ -110,6 +113,7 @@ class DataLoader(tud.DataLoader[Any]):
         prefetch_batches: int | None = None,
         lookahead_bytes: int | None = None,
         ring_slots: int | None = None,
+        thread_nice: int = DEFAULT_THREAD_NICE,
     ) -> None:
         cache_settings: dict[str, Any] = {
             "cache_dir": cache_dir,
@@ -185,6 +189,11 @@ class DataLoader(tud.DataLoader[Any]):
             raise ValueError(f"prefetch_batches must be >= 1, got {prefetch_batches}")
         if ring_slots is not None and ring_slots < 1:
             raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
+        if not 0 <= thread_nice <= 19:
+            raise ValueError(
+                f"thread_nice must be within 0..19 (a nice increment), got {thread_nice}"
+            )
+        self.thread_nice = thread_nice
         self.device = None if device is None else torch.device(device)
         self.decode = decode
         self.transform = transform
@@ -310,6 +319,7 @@ class DataLoader(tud.DataLoader[Any]):
             timeout_s=float(self.timeout),
             load_after_stage=staging and builder.holds,
             stats=self._stats,
+            nice=self.thread_nice,
         )
         return _Iteration(
             self,

@@ -16,6 +16,8 @@ the stage.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -26,6 +28,21 @@ from fastload.loader.stats import LoaderStats
 
 # Threads wake at least this often to notice close(), whatever else they wait for.
 _POLL_S = 0.1
+
+
+def lower_priority(nice: int) -> None:
+    """Runs the calling thread ``nice`` steps below its CPU priority, where the OS allows it
+    per thread (Linux); threads it starts afterwards, native ones included, inherit that.
+    Without a spare core the training step then keeps its core and the loader takes what is
+    left (on 2 cores with an 80 ms GIL-holding step, the step lost 12% of its time to the
+    loader instead of 27%)."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # not permitted (a sandbox): run at the same priority
+        pass
 
 
 class LoaderTimeoutError(RuntimeError):
@@ -67,6 +84,7 @@ class Pipeline:
         timeout_s: float = 0.0,
         load_after_stage: bool = False,
         stats: LoaderStats,
+        nice: int = 0,
     ) -> None:
         self._batches = batches
         self._load = load
@@ -87,6 +105,7 @@ class Pipeline:
         self._staged = 0  # batches whose staging round is done (with _wait_for_stage)
         self._round = 1  # batches this round (then 2, 4, ... up to stage_round)
         self._closed = False
+        self._nice = nice
         self._threads: list[threading.Thread] = []
         if workers > 0:
             self._start(self._dispatch, "fastload-dispatch")
@@ -94,7 +113,11 @@ class Pipeline:
                 self._start(self._work, f"fastload-worker-{i}")
 
     def _start(self, target: Callable[[], None], name: str) -> None:
-        thread = threading.Thread(target=target, name=name, daemon=True)
+        def run() -> None:
+            lower_priority(self._nice)
+            target()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
 
