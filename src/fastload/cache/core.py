@@ -256,15 +256,19 @@ class Cache:
         """:meth:`lookup` of whole objects, in one index query and without a ``stat`` per
         file: a stale version is None (refetched by the caller's fallback), and a file cut
         short shows as a short read, which the native reader reports."""
-        entries = self.index.entries_of([object_id(u) for u in urls])
+        oids = [object_id(u) for u in urls]
+        found = self.index.placements_of(oids)
         out: list[Location | None] = []
-        for url, version, size in zip(urls, versions, sizes, strict=True):
-            entry = entries.get(object_id(url))
-            fresh = entry is not None and (version is None or entry.version == version)
-            if entry is None or not fresh or (size is not None and entry.size != size):
+        for oid, version, size in zip(oids, versions, sizes, strict=True):
+            at = found.get(oid)
+            if (
+                at is None
+                or (version is not None and at.version != version)
+                or (size is not None and at.size != size)
+            ):
                 out.append(None)
             else:
-                out.append(self.location_of(entry))
+                out.append(self.storage.location(oid, at.segment, at.position, at.size))
         return out
 
     @contextlib.contextmanager

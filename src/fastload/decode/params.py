@@ -91,7 +91,6 @@ class Augment:
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = 2**64 - 1
-_TRAIN_DRAWS = 23  # 10 tries of (area, aspect), then top, left, flip
 
 
 def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -101,18 +100,29 @@ def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return x ^ (x >> np.uint64(31))
 
 
+def _sample_keys(seed: int, epoch: int, indices: npt.ArrayLike) -> npt.NDArray[np.uint64]:
+    """Each sample's key: its draws are _mix(key + (draw + 1) * golden)."""
+    index = np.asarray(indices, dtype=np.int64).reshape(-1).astype(np.uint64)
+    words = np.array([seed & _MASK, epoch & _MASK], dtype=np.uint64)
+    key = _mix(_mix(words[:1] + np.uint64(_GOLDEN)) ^ words[1:])  # (1,)
+    return _mix(key ^ _mix(index + np.uint64(_GOLDEN)))
+
+
+def _uniform(keys: npt.NDArray[np.uint64], j: int) -> npt.NDArray[np.float64]:
+    """Draw j of each key, in [0, 1). One column at a time: numpy operations on a batch's
+    few dozen values keep the GIL, where a (batch, draws) table would release and retake it
+    (a wait each for a training step holding it)."""
+    bits = _mix(keys + np.uint64((j + 1) * _GOLDEN & _MASK))
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def sample_uniforms(
     seed: int, epoch: int, indices: npt.ArrayLike, count: int
 ) -> npt.NDArray[np.float64]:
     """(len(indices), count) uniforms in [0, 1): draw j of sample i depends on (seed,
     epoch, indices[i], j) only, never on the batch, its order or the worker."""
-    index = np.asarray(indices, dtype=np.int64).reshape(-1).astype(np.uint64)
-    words = np.array([seed & (2**64 - 1), epoch & (2**64 - 1)], dtype=np.uint64)
-    key = _mix(_mix(words[:1] + np.uint64(_GOLDEN)) ^ words[1:])  # (1,)
-    sample = _mix(key ^ _mix(index + np.uint64(_GOLDEN)))[:, None]
-    draw = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(_GOLDEN)
-    bits = _mix(sample + draw[None, :])
-    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    keys = _sample_keys(seed, epoch, indices)
+    return np.stack([_uniform(keys, j) for j in range(count)], axis=1).reshape(len(keys), count)
 
 
 @dataclass(frozen=True)
@@ -156,21 +166,26 @@ def train_augments(
     wins; else a center crop of the allowed ratio. Then a flip with ``flip_p``."""
     h = np.asarray(heights, dtype=np.int64).reshape(-1)
     w = np.asarray(widths, dtype=np.int64).reshape(-1)
-    u = sample_uniforms(seed, epoch, indices, _TRAIN_DRAWS)
+    keys = _sample_keys(seed, epoch, indices)
     lo, hi = preset.scale
-    target = (h * w)[:, None] * (lo + (hi - lo) * u[:, 0:20:2])
     log_lo, log_hi = math.log(preset.ratio[0]), math.log(preset.ratio[1])
-    aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, 1:20:2])
-    tries_w = np.rint(np.sqrt(target * aspect)).astype(np.int64)  # rint: Python's round
-    tries_h = np.rint(np.sqrt(target / aspect)).astype(np.int64)
-    fits = (tries_w > 0) & (tries_w <= w[:, None]) & (tries_h > 0) & (tries_h <= h[:, None])
-    first = fits.argmax(axis=1)
-    rows = np.arange(len(h))
-    crop_w, crop_h = tries_w[rows, first], tries_h[rows, first]
-    top = (u[:, 20] * (h - crop_h + 1)).astype(np.int64)  # uniform over 0 .. h - crop_h
-    left = (u[:, 21] * (w - crop_w + 1)).astype(np.int64)
-    missed = ~fits.any(axis=1)
-    if missed.any():  # a center crop of the allowed aspect ratio
+    crop_h, crop_w = np.zeros(len(h), dtype=np.int64), np.zeros(len(h), dtype=np.int64)
+    pending = np.arange(len(h))  # the samples no try has fitted yet
+    for t in range(10):
+        if not len(pending):
+            break
+        ph, pw, pk = h[pending], w[pending], keys[pending]
+        target = ph * pw * (lo + (hi - lo) * _uniform(pk, 2 * t))
+        aspect = np.exp(log_lo + (log_hi - log_lo) * _uniform(pk, 2 * t + 1))
+        tw = np.rint(np.sqrt(target * aspect)).astype(np.int64)  # rint: Python's round
+        th = np.rint(np.sqrt(target / aspect)).astype(np.int64)
+        fits = (tw > 0) & (tw <= pw) & (th > 0) & (th <= ph)
+        crop_w[pending[fits]], crop_h[pending[fits]] = tw[fits], th[fits]
+        pending = pending[~fits]
+    top = (_uniform(keys, 20) * (h - crop_h + 1)).astype(np.int64)  # uniform over 0 .. h - crop_h
+    left = (_uniform(keys, 21) * (w - crop_w + 1)).astype(np.int64)
+    if len(pending):  # a center crop of the allowed aspect ratio
+        missed = pending
         mh, mw = h[missed], w[missed]
         in_ratio = mw / mh
         narrow, wide = in_ratio < preset.ratio[0], in_ratio > preset.ratio[1]
@@ -179,7 +194,7 @@ def train_augments(
         cw, ch = np.maximum(cw.astype(np.int64), 1), np.maximum(ch.astype(np.int64), 1)
         crop_w[missed], crop_h[missed] = cw, ch
         top[missed], left[missed] = (mh - ch) // 2, (mw - cw) // 2
-    flip = u[:, 22] < preset.flip_p
+    flip = _uniform(keys, 22) < preset.flip_p
     return AugmentTable(top, left, crop_h, crop_w, flip, preset.size, preset.size)
 
 
