@@ -329,9 +329,18 @@ SLEEP_CYCLES = 1_000_000_000  # ~0.5 s of GPU clock: keeps the side stream busy
 
 
 def warm(ring: DeviceRing, batch: object) -> None:
-    """One batch through, then a device sync: the slot's cudaHostRegister and the device
-    buffer's cudaMalloc (both may synchronize with the device) happen before a test's sleep."""
-    ring.get(ring.put(batch))
+    """Everything that may synchronize with the device happens before a test's sleep: each
+    slot's cudaHostRegister and the device buffers' cudaMalloc (a batch through every
+    slot), and the first launch of the kernel the tests run on a delivered batch (CUDA loads
+    a kernel's module lazily, at its first launch, and that waits for the device: on an
+    H200 the consumer's multiply waited out the sleep itself and the test saw nothing
+    left to wait for, though the ring had ordered it right)."""
+    transfers = [ring.put(batch) for _ in range(ring.stats()["slots"])]
+    for transfer in transfers:
+        out = ring.get(transfer)
+    leaves = out.values() if isinstance(out, dict) else [out]
+    for t in leaves:
+        _ = t * 2
     torch.cuda.synchronize()
 
 

@@ -46,6 +46,7 @@ import importlib
 import importlib.util
 import io
 import itertools
+import json
 import os
 import queue
 import statistics
@@ -645,6 +646,11 @@ def measure_overlap(
             try:
                 yield batches()
             finally:
+                stats = dl.stats()
+                print(  # where its time went, for the GPU path's first runs
+                    "fastload.DataLoader stages:",
+                    json.dumps({k: stats.get(k) for k in ("decode_backend", "stages", "counts")}),
+                )
                 dl.close()
 
         row("fastload.DataLoader(decode='auto')", "decode + ring, overlapped", loader)
