@@ -42,8 +42,10 @@ class FileDataset(ShardedDataset):
         size = self.store.object(key).size
         return None if size is None else [(key, 0, size)]
 
-    def assemble(self, index: int, parts: Sequence[bytes | memoryview]) -> Any:
-        return bytes(parts[0])
+    def assemble(
+        self, index: int, parts: Sequence[bytes | memoryview], *, copy: bool = True
+    ) -> Any:
+        return bytes(parts[0]) if copy else parts[0]
 
 
 class ImageFolderDataset(FileDataset):
@@ -79,5 +81,7 @@ class ImageFolderDataset(FileDataset):
     def _load(self, index: int) -> Any:
         return self.store.read(self.keys[index]), self.targets[index]
 
-    def assemble(self, index: int, parts: Sequence[bytes | memoryview]) -> Any:
-        return bytes(parts[0]), self.targets[index]
+    def assemble(
+        self, index: int, parts: Sequence[bytes | memoryview], *, copy: bool = True
+    ) -> Any:
+        return (bytes(parts[0]) if copy else parts[0]), self.targets[index]

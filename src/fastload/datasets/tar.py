@@ -130,16 +130,20 @@ class TarDataset(ShardedDataset):
             return [(key, start, end - start)]
         return [(key, o, n) for o, n in zip(offsets, sizes, strict=True)]
 
-    def assemble(self, index: int, parts: Sequence[bytes | memoryview]) -> Any:
+    def assemble(
+        self, index: int, parts: Sequence[bytes | memoryview], *, copy: bool = True
+    ) -> Any:
         key, sample_key, names, offsets, sizes = self._fields(index)
         sample: dict[str, Any] = {"__key__": sample_key, "__shard__": key}
+        own = bytes if copy else memoryview
         if len(parts) == 1:  # one range spanning every field
             start = min(offsets)
+            whole = memoryview(parts[0])
             for name, o, n in zip(names, offsets, sizes, strict=True):
-                sample[name] = bytes(parts[0][o - start : o - start + n])
+                sample[name] = own(whole[o - start : o - start + n])
         else:
             for name, part in zip(names, parts, strict=True):
-                sample[name] = bytes(part)
+                sample[name] = own(part)
         return sample
 
     # --- grouping --------------------------------------------------------------------------

@@ -237,13 +237,15 @@ class BatchBuilder:
                 native = [False] * len(indices)
                 parts = [None] * len(indices)
         samples: list[Any] = []
+        copy = self.decoder is None  # the decoder reads views before the buffer is reused
         for i, index in enumerate(indices):
             if native[i]:
-                samples.append(ds.assemble(index, parts[i] or []))
+                samples.append(ds.assemble(index, parts[i] or [], copy=copy))
             elif in_memory[i]:
                 self.stats.count("held_reads")
                 rs = ranges[i] or []
-                samples.append(ds.assemble(index, [held[k][o : o + n] for k, o, n in rs]))
+                parts_i = [held[k][o : o + n] for k, o, n in rs]
+                samples.append(ds.assemble(index, parts_i, copy=copy))
             else:
                 self.stats.count("cache_reads")
                 samples.append(ds[index])
@@ -302,8 +304,8 @@ class BatchBuilder:
                     f"{', '.join(k for k in sample if not k.startswith('__'))}"
                 )
             label = next((sample[f] for f in LABEL_FIELDS if f in sample), None)
-            if isinstance(label, bytes | bytearray):
-                text = label.decode("utf-8", "replace").strip()
+            if isinstance(label, bytes | bytearray | memoryview):
+                text = bytes(label).decode("utf-8", "replace").strip()
                 label = int(text) if text.lstrip("-").isdigit() else text
             return image, label
         return sample, None
