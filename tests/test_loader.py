@@ -568,6 +568,39 @@ def test_a_tiny_cnn_trains_to_the_same_loss_curve_as_with_torchs_loader(
     assert losses[-1] != losses[0]  # it did train
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("ignore:nvidia-dali-cuda.* is no longer shipped:Warning")
+def test_gpu_decoded_batches_skip_the_ring_and_match_the_cpu_decoder(
+    source: Source, tmp_path: Path
+) -> None:
+    seed, preset = 5, EvalPreset(SIZE)
+    dataset = fl.open_dataset(str(source.root / "folder"), cache_dir=str(tmp_path))
+    loader = fl.DataLoader(
+        dataset,
+        batch_size=8,
+        shuffle=True,
+        num_workers=2,
+        seed=seed,
+        decode="auto",
+        device="cuda",
+        transform=preset,
+    )
+    batches = list(loader)
+    stats = loader.stats()
+    loader.close()
+    assert all(images.device.type == "cuda" for images, _ in batches)
+    images = torch.cat([images.cpu() for images, _ in batches])
+    labels = torch.cat([labels.cpu() for _, labels in batches])
+    order = plan_order(dataset, seed=seed, epoch=0)
+    assert labels.tolist() == [label_of(dataset, i) for i in order]
+    expected = direct_decode(dataset, order, preset=preset, seed=seed, epoch=0)
+    assert float((images - expected).abs().mean()) < 0.05
+    # Decoded on the device: the images pass the ring, only the labels are packed and copied.
+    assert stats["ring"]["on_device_tensors"] == len(batches)
+    assert stats["ring"]["bytes_moved"] == labels.numel() * labels.element_size()
+
+
 def test_loader_counts_line_up_with_the_datasets_it_reads(source: Source, tmp_path: Path) -> None:
     """len(), the batches of the last pass and the sample count agree, with drop_last too."""
     dataset = fl.open_dataset(str(source.root / "tars"), cache_dir=str(tmp_path))

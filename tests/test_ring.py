@@ -312,6 +312,42 @@ def test_cuda_without_a_device_says_what_to_do() -> None:
         DeviceRing("cpu", pin=True)
 
 
+def test_a_large_batch_is_packed_in_pieces_on_several_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("fastload.ring._PACK_PIECE_BYTES", 4096)  # small batches split too
+    g = torch.Generator().manual_seed(3)
+    images = torch.rand(64, 3, 16, 16, generator=g)
+    batch = {
+        "images": images,
+        "transposed": images[:, 0].transpose(1, 2),  # not contiguous: split rows still view
+        "labels": torch.arange(64),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+    }
+    outs = {}
+    for threads in (1, 4):
+        with DeviceRing("cpu", slots=2, pack_threads=threads) as ring:
+            outs[threads] = [ring.get(ring.put(batch)) for _ in range(3)]
+            stats = ring.stats()
+        assert stats["packs_split"] == (3 if threads > 1 else 0)
+        for out in outs[threads]:
+            assert_same(out, batch)
+    with pytest.raises(ValueError, match="pack_threads"):
+        DeviceRing("cpu", pack_threads=0)
+
+
+def test_tensors_on_another_device_pass_through_unpacked(ring: DeviceRing) -> None:
+    elsewhere = torch.empty(1000, 1000, device="meta")
+    labels = torch.arange(4)
+    out = ring.get(ring.put({"images": elsewhere, "labels": labels}))
+    assert out["images"] is elsewhere
+    assert_same(out["labels"], labels)
+    stats = ring.stats()
+    assert stats["bytes_moved"] == labels.numel() * labels.element_size()
+    assert stats["on_device_tensors"] == 0  # only the ring's own device counts
+
+
 def test_stats_are_plain_json(ring: DeviceRing) -> None:
     ring.get(ring.put(batch_for(0)))
     stats = json.loads(json.dumps(ring.stats()))
@@ -364,7 +400,8 @@ def test_cuda_copy_runs_on_a_side_stream_that_the_consumer_waits_for() -> None:
     src = torch.rand(4 << 20)
     with DeviceRing("cuda", slots=2) as ring:
         assert ring.stream != torch.cuda.current_stream()
-        warm(ring, {"x": src})
+        # Other values: a device buffer reused from the warm-up holds zeros, not src.
+        warm(ring, {"x": torch.zeros_like(src)})
         with torch.cuda.stream(ring.stream):
             torch.cuda._sleep(SLEEP_CYCLES)  # the copy queues behind this
         transfer = ring.put({"x": src})
@@ -372,10 +409,43 @@ def test_cuda_copy_runs_on_a_side_stream_that_the_consumer_waits_for() -> None:
         out = ring.get(transfer)
         assert not ring.stream.query()  # nor did get
         doubled = out["x"] * 2
-        assert not torch.cuda.current_stream().query()  # the consumer's stream waits
-        # Had the consumer's stream not waited for the copy, these would read garbage.
+        consumer_done = torch.cuda.current_stream().query()
+        # If the sleep is over, something above synchronized the device and the next check
+        # would prove nothing: say so rather than blame the ring.
+        assert not ring.stream.query(), "the device was synchronized before the check"
+        assert not consumer_done  # the consumer's stream waits behind the copy
+        # Had the consumer's stream not waited for the copy, these would read zeros.
         assert torch.equal(out["x"].cpu(), src)
         assert torch.equal(doubled.cpu(), src * 2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_tensors_already_on_the_device_are_not_packed_and_are_ordered() -> None:
+    labels = torch.arange(8)
+    with DeviceRing("cuda", slots=2) as ring:
+        producer = torch.cuda.Stream()
+        warm(ring, {"images": torch.zeros(1 << 20, device="cuda"), "labels": labels})
+        with torch.cuda.stream(producer):  # the kernels below, loaded before the sleep
+            torch.zeros(1 << 20, device="cuda").fill_(3.0).sum()
+        torch.zeros(1 << 20, device="cuda").fill_(3.0).sum()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(producer):  # as a loader thread decoding on its own stream
+            images = torch.zeros(1 << 20, device="cuda")
+            torch.cuda._sleep(SLEEP_CYCLES)
+            images.fill_(3.0)  # done only after the sleep
+            transfer = ring.put({"images": images, "labels": labels})
+        out = ring.get(transfer)
+        assert out["images"] is images  # passed through, not packed
+        summed = out["images"].sum()
+        consumer_done = torch.cuda.current_stream().query()
+        assert not producer.query(), "the device was synchronized before the check"
+        assert not consumer_done  # the consumer's stream waits for the producer's
+        assert float(summed) == 3.0 * (1 << 20)
+        assert torch.equal(out["labels"].cpu(), labels)
+        stats = ring.stats()
+        assert stats["on_device_tensors"] == 3  # the warm-up's two (one a slot) and this one
+        assert stats["bytes_moved"] == 3 * labels.numel() * labels.element_size()
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ from fastload.decode.base import (
     DecodeError,
     sample_name,
 )
-from fastload.decode.params import Augment, EvalPreset, TrainPreset, augment_for
+from fastload.decode.params import EvalPreset, TrainPreset, augments
 
 __all__ = ["INSTALL_HINT", "DALIDecoder", "image_format", "image_size"]
 
@@ -376,16 +376,18 @@ class DALIDecoder:
         _shutdown(old)
         self._pipe = self._build()
 
-    def _run(self, arrays: list[np.ndarray], augs: list[Augment]) -> Any:
-        """One pipeline run over at most max_batch_size samples; the output as torch."""
+    def _run(self, arrays: list[np.ndarray], boxes: np.ndarray) -> Any:
+        """One pipeline run over at most max_batch_size samples; the output as torch.
+
+        ``boxes``: (n, 5) int32 rows of top, left, crop_h, crop_w, flip (with a preset)."""
         if self._pipe is None:  # a rebuild after an error failed: try once more
             self._pipe = self._build()
         pipe = self._pipe
         pipe.feed_input("encoded", arrays)
         if self._preset is not None:
-            pipe.feed_input("anchor", np.array([(a.top, a.left) for a in augs], np.int32))
-            pipe.feed_input("shape", np.array([(a.crop_h, a.crop_w) for a in augs], np.int32))
-            pipe.feed_input("mirror", np.array([a.flip for a in augs], np.int32))
+            pipe.feed_input("anchor", np.ascontiguousarray(boxes[:, 0:2]))
+            pipe.feed_input("shape", np.ascontiguousarray(boxes[:, 2:4]))
+            pipe.feed_input("mirror", np.ascontiguousarray(boxes[:, 4]))
         if self._gpu:
             # GPU-only: outputs are ordered on torch's current stream (no host sync here);
             # from_dlpack below hands that stream to DALI in __dlpack__.
@@ -402,7 +404,7 @@ class DALIDecoder:
         self,
         positions: list[int],
         arrays: list[np.ndarray],
-        augs: list[Augment],
+        boxes: np.ndarray,
         fail: Callable[[int, str], None],
     ) -> list[tuple[list[int], Any]]:
         """Runs ``positions``; if DALI fails, halves the batch until each bad one is found.
@@ -411,7 +413,7 @@ class DALIDecoder:
         each bad sample (it raises under ``on_error="raise"``).
         """
         try:
-            return [(positions, self._run(arrays, augs))]
+            return [(positions, self._run(arrays, boxes))]
         except RuntimeError as e:
             if not _is_data_error(e):
                 self._rebuild()
@@ -422,8 +424,20 @@ class DALIDecoder:
                 return []
         half = len(positions) // 2
         return self._run_isolating(
-            positions[:half], arrays[:half], augs[:half], fail
-        ) + self._run_isolating(positions[half:], arrays[half:], augs[half:], fail)
+            positions[:half], arrays[:half], boxes[:half], fail
+        ) + self._run_isolating(positions[half:], arrays[half:], boxes[half:], fail)
+
+    def _boxes(self, sizes: list[tuple[int, int]], indices: list[int], epoch: int) -> np.ndarray:
+        """(n, 5) int32 rows of top, left, crop_h, crop_w, flip: what ``augment_for`` gives each
+        sample, drawn for the whole batch at once (per sample it cost ~10 us of Python)."""
+        if self._preset is None or not indices:
+            return np.zeros((len(indices), 5), np.int32)
+        heights, widths = zip(*sizes, strict=True)
+        table = augments(
+            self._preset, heights, widths, seed=self.config.seed, epoch=epoch, indices=indices
+        )
+        columns = (table.top, table.left, table.crop_h, table.crop_w, table.flip)
+        return np.stack([np.asarray(c, dtype=np.int32) for c in columns], axis=1)
 
     # -- the Decoder protocol -----------------------------------------------------------------
 
@@ -458,6 +472,22 @@ class DALIDecoder:
                 )
             skipped.append((i, reason))
 
+        # Headers and boxes before taking the lock: a loader's other threads prepare their
+        # batches while this one runs the pipeline.
+        positions: list[int] = []
+        arrays: list[np.ndarray] = []
+        sizes: list[tuple[int, int]] = []
+        for i, data in enumerate(encoded):
+            try:
+                size = _check_header(data, need_size=self._preset is not None)
+            except ValueError as e:
+                fail(i, str(e))
+                continue
+            positions.append(i)
+            arrays.append(np.frombuffer(data, dtype=np.uint8))
+            if size is not None:
+                sizes.append(size)
+        boxes = self._boxes(sizes, [int(indices[i]) for i in positions], epoch)
         with self._lock:
             if self._closed:
                 raise ValueError("this DALIDecoder is closed")
@@ -467,33 +497,12 @@ class DALIDecoder:
                     f"forked child ({os.getpid()}, e.g. a DataLoader worker): its pipeline's "
                     "threads did not survive the fork. Decode in the main process"
                 )
-            positions: list[int] = []
-            arrays: list[np.ndarray] = []
-            augs: list[Augment] = []
-            for i, data in enumerate(encoded):
-                try:
-                    size = _check_header(data, need_size=self._preset is not None)
-                except ValueError as e:
-                    fail(i, str(e))
-                    continue
-                positions.append(i)
-                arrays.append(np.frombuffer(data, dtype=np.uint8))
-                if self._preset is not None and size is not None:
-                    augs.append(
-                        augment_for(
-                            self._preset,
-                            *size,
-                            seed=self.config.seed,
-                            epoch=epoch,
-                            index=int(indices[i]),
-                        )
-                    )
             pieces: list[tuple[list[int], Any]] = []
             step = self.max_batch_size
             for start in range(0, len(positions), step):
                 stop = start + step
                 pieces += self._run_isolating(
-                    positions[start:stop], arrays[start:stop], augs[start:stop], fail
+                    positions[start:stop], arrays[start:stop], boxes[start:stop], fail
                 )
         skipped.sort()
         kept = [p for piece_positions, _ in pieces for p in piece_positions]

@@ -70,6 +70,7 @@ class BatchBuilder:
         decoder: Decoder | None,
         stats: LoaderStats,
         on_device: Callable[[Any], Any] | None = None,
+        cuda_device: torch.device | None = None,
     ) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
@@ -78,6 +79,12 @@ class BatchBuilder:
         self.decoder = decoder
         self.stats = stats
         self.on_device = on_device
+        # Decoding on a GPU: each loading thread queues its device work on a stream of its
+        # own, not on the default stream the training step uses (there it waited behind the
+        # step, and a pageable copy there waited for the step to finish); the ring orders
+        # the batch before the consumer's use of it.
+        self.cuda_device = cuda_device
+        self._streams = threading.local()
         self._contexts: list[_ReadContext] = []  # idle ones
         self._contexts_lock = threading.Lock()
         self._staged: dict[str, None] = {}  # recently staged keys (insertion-ordered, bounded)
@@ -146,7 +153,10 @@ class BatchBuilder:
         if context is None:
             context = _ReadContext()
         try:
-            return self._load(indices, epoch, context)
+            if self.cuda_device is None:
+                return self._load(indices, epoch, context)
+            with torch.cuda.device(self.cuda_device), torch.cuda.stream(self._stream()):
+                return self._load(indices, epoch, context)
         finally:
             with self._contexts_lock:
                 self._contexts.append(context)
@@ -179,6 +189,14 @@ class BatchBuilder:
                 except BaseException as e:
                     raise _noted(e, "transfer") from None
         return batch
+
+    def _stream(self) -> Any:
+        """This thread's CUDA stream for loading."""
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            cuda: Any = torch.cuda  # its Stream constructor is untyped
+            stream = self._streams.stream = cuda.Stream(device=self.cuda_device)
+        return stream
 
     def new_pass(self) -> None:
         with self._needed_lock:

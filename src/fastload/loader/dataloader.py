@@ -366,10 +366,28 @@ class DataLoader(tud.DataLoader[Any]):
                 decoder=self._decoder,
                 stats=self._stats,
                 on_device=self._on_device(),
+                cuda_device=self._load_stream_device(),
             )
         return self._builder
 
     # --- the device ----------------------------------------------------------------------------
+
+    def _load_stream_device(self) -> torch.device | None:
+        """The CUDA device whose work the loading threads queue on streams of their own: the
+        decoder's, when it decodes or transforms there (with the ring, which orders each
+        batch before the consumer's use); None when loading does no device work."""
+        if self._decoder is None or self.device is None or self.device.type != "cuda":
+            return None
+        if not self._moves_to_device():
+            return None
+        target = torch.device(self._decoder.config.device)
+        if target.type != "cuda":
+            return None
+        return (
+            target
+            if target.index is not None
+            else torch.device("cuda", torch.cuda.current_device())
+        )
 
     def _moves_to_device(self) -> bool:
         """Batches go through the ring to an accelerator; on the CPU only when ``ring_slots``
