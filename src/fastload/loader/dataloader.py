@@ -377,9 +377,7 @@ class DataLoader(tud.DataLoader[Any]):
         decoder's, when it decodes or transforms there (with the ring, which orders each
         batch before the consumer's use); None when loading does no device work."""
         if self._decoder is None or self.device is None or self.device.type != "cuda":
-            return None
-        if not self._moves_to_device():
-            return None
+            return None  # (a CUDA device always goes through the ring)
         target = torch.device(self._decoder.config.device)
         if target.type != "cuda":
             return None
