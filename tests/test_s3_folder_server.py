@@ -191,6 +191,171 @@ def test_boto3_paginators_keep_s3_order_and_roll_up_prefixes(many_root: Path) ->
             client.close()
 
 
+# Keys that sort oddly (byte order: " " < "%" < "+" < "-" < "/" < "0" < "a" < "é" < "日"),
+# many keys under one prefix (pages end inside it), and folders that hold no object.
+TRICKY_KEYS = sorted(
+    [
+        "a b/c d.bin", "a b/c+d.bin", "a b/c%20d.bin", "a+b/x", "a%2Fb", "a%20b/x", "a-b",
+        "a/b", "a0", "sort/a-b", "sort/a/b", "sort/a/c/d/e.bin", "sort/a0", "sort/a.",
+        "ü/é.bin", "ü/日本語.txt", "ü/😀 smile.bin", "top.bin", "~tilde",
+        *(f"pages/p{i % 4}/k{i:03d}.bin" for i in range(230)),
+        *(f"pages/p0{i}.bin" for i in range(3)),
+    ]
+)  # fmt: skip
+EMPTY_FOLDERS = ("sort/empty", "deep/empty/a/b", "ü/empty", "pages/p1/empty")
+
+
+def s3_entries(keys: list[str], prefix: str, delimiter: str, after: str = "") -> list[str]:
+    """What S3 lists: the keys after ``after``, in key order, those the delimiter rolls up
+    as their common prefix, once (not at all if it is ``after``, where a page ended)."""
+    entries: list[str] = []
+    for key in sorted(keys):
+        if not key.startswith(prefix) or key <= after:
+            continue
+        at = key.find(delimiter, len(prefix)) if delimiter else -1
+        entry = key if at < 0 else key[: at + len(delimiter)]
+        if entry != after and (not entries or entries[-1] != entry):
+            entries.append(entry)
+    return entries
+
+
+@pytest.fixture(scope="module")
+def tricky_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tricky")
+    for key in TRICKY_KEYS:
+        path = root / BUCKET / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(key.encode())
+    for folder in EMPTY_FOLDERS:
+        (root / BUCKET / folder).mkdir(parents=True)
+    return root
+
+
+def list_pages(client: Any, v2: bool, page_size: int, **kwargs: Any) -> list[list[str]]:
+    """Every page's keys and common prefixes, in key order, following the page tokens."""
+    pages: list[list[str]] = []
+    token: dict[str, str] = {}
+    while True:
+        if v2:
+            page = client.list_objects_v2(Bucket=BUCKET, MaxKeys=page_size, **kwargs, **token)
+        else:
+            page = client.list_objects(Bucket=BUCKET, MaxKeys=page_size, **kwargs, **token)
+        keys = [o["Key"] for o in page.get("Contents", [])]
+        prefixes = [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+        pages.append(sorted(keys + prefixes))
+        if not page["IsTruncated"]:
+            return pages
+        if v2:
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+        else:
+            token = {"Marker": page["NextMarker"]}
+
+
+@pytest.mark.parametrize(
+    ("prefix", "delimiter"),
+    [("", ""), ("", "/"), ("sort/", "/"), ("sort/a", "/"), ("pages/", "/"), ("pages/p0", ""),
+     ("ü", ""), ("a", " "), ("pages/p", "1"), ("a b/", "%")],
+)  # fmt: skip
+def test_listing_pages_are_s3s_order_on_tricky_names(
+    tricky_root: Path, prefix: str, delimiter: str
+) -> None:
+    expected = s3_entries(TRICKY_KEYS, prefix, delimiter)
+    assert expected, "a case that lists nothing tests nothing"
+    with S3FolderServer(tricky_root) as server:
+        client = boto3.session.Session().client(
+            "s3", endpoint_url=server.endpoint_url, aws_access_key_id="x",
+            aws_secret_access_key="x",
+        )  # fmt: skip
+        try:
+            for v2 in (True, False):
+                page_size = 40
+                pages = list_pages(client, v2, page_size, Prefix=prefix, Delimiter=delimiter)
+                want = [expected[i : i + page_size] for i in range(0, len(expected), page_size)]
+                assert pages == want, (v2, prefix, delimiter)
+            for after in ["", "a", "a b/c d.bin", "pages/p1/k005.bin", "pages/p2/", "sort/a/",
+                          "sort/a/c", "ü/é.bin", "zzz", prefix, prefix + "\U0010ffff"]:  # fmt: skip
+                page = client.list_objects_v2(
+                    Bucket=BUCKET, Prefix=prefix, Delimiter=delimiter, StartAfter=after
+                )
+                keys = [o["Key"] for o in page.get("Contents", [])]
+                keys += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+                assert sorted(keys) == s3_entries(TRICKY_KEYS, prefix, delimiter, after), after
+        finally:
+            client.close()
+
+
+def test_files_written_straight_into_the_folder_show_in_the_next_listing(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / BUCKET / "c1").mkdir(parents=True)
+    (root / BUCKET / "c1" / "a.bin").write_bytes(b"a")
+    with S3FolderServer(root) as server:
+        fs = make_s3fs(server)
+        assert fs.find(BUCKET) == [f"{BUCKET}/c1/a.bin"]
+        # No pause: the folders changed within a tick of the listing before.
+        (root / BUCKET / "c1" / "b.bin").write_bytes(b"b")
+        (root / BUCKET / "c2" / "deeper").mkdir(parents=True)
+        (root / BUCKET / "c2" / "deeper" / "c.bin").write_bytes(b"c")
+        fs.invalidate_cache()
+        assert fs.find(BUCKET) == [
+            f"{BUCKET}/c1/a.bin",
+            f"{BUCKET}/c1/b.bin",
+            f"{BUCKET}/c2/deeper/c.bin",
+        ]
+        (root / BUCKET / "c1" / "a.bin").unlink()
+        fs.invalidate_cache()
+        assert fs.find(BUCKET) == [f"{BUCKET}/c1/b.bin", f"{BUCKET}/c2/deeper/c.bin"]
+        assert fs.ls(f"{BUCKET}/c2") == [f"{BUCKET}/c2/deeper"]
+
+
+def test_a_listing_rescans_only_the_folders_that_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastload.testing import s3_folder
+
+    scans: list[str] = []
+
+    def counted_scan(directory: str) -> list[str]:
+        scans.append(os.path.relpath(directory, root / BUCKET))
+        return scan(directory)
+
+    scan = s3_folder._scan_directory
+    monkeypatch.setattr(s3_folder, "_scan_directory", counted_scan)
+    # Keep every scan: the folders' timestamps were set well before the listings (the
+    # pause is longer than a tick of the filesystem's clock), so each change moves them.
+    monkeypatch.setattr(s3_folder, "_SETTLE_NS", 0)
+    root = tmp_path / "root"
+    for i in range(600):
+        path = root / BUCKET / f"c{i % 20:02d}" / f"{i:04d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    time.sleep(0.05)
+    with S3FolderServer(root) as server:
+        client = boto3.session.Session().client(
+            "s3", endpoint_url=server.endpoint_url, aws_access_key_id="x",
+            aws_secret_access_key="x",
+        )  # fmt: skip
+        try:
+            everything = [k for page in list_pages(client, True, 250) for k in page]
+            assert len(everything) == 600
+            assert sorted(scans) == [".", *(f"c{c:02d}" for c in range(20))]
+            scans.clear()
+            assert [k for page in list_pages(client, True, 250) for k in page] == everything
+            assert scans == []  # every page a bisection into kept scans
+
+            (root / BUCKET / "c03" / "new.bin").write_bytes(b"n")
+            assert len([k for page in list_pages(client, True, 1000) for k in page]) == 601
+            assert scans == ["c03"]
+            scans.clear()
+            client.put_object(Bucket=BUCKET, Key="c07/put.bin", Body=b"p")
+            client.delete_object(Bucket=BUCKET, Key="c05/0005.bin")
+            listed = [k for page in list_pages(client, True, 1000) for k in page]
+            assert "c07/put.bin" in listed
+            assert "c05/0005.bin" not in listed
+            assert sorted(scans) == [".", "c05", "c07"]  # the server's writes: the key's path
+        finally:
+            client.close()
+
+
 # -- objects ---------------------------------------------------------------------------------
 
 

@@ -15,6 +15,21 @@ Operations: GET/HEAD object (single ranges), PUT object (plain, HTTP-chunked and
 DeleteObjects, multipart uploads, ListObjectsV2 and ListObjects, HEAD/PUT/DELETE bucket,
 GetBucketLocation, ListBuckets. Anything else is answered with an S3 error (501
 NotImplemented). Symbolic links below ``root`` are followed; keys cannot climb out of it.
+
+Listings cost O(page), not O(bucket): each folder's sorted entries are kept between
+requests and scanned again only when the folder changed (its mtime or ctime moved, or
+the server wrote into it), so a page stats the folders it walks through and the files
+it returns. Files that tests write straight into ``root`` show up in the next listing.
+
+Synthetic buckets (``synthetic=``, or a spec file in ``root``: see
+:mod:`fastload.testing.synthetic`) hold objects computed from an index, never stored:
+ImageNet-sized image folders or 64 GB of tar shards at no disk cost. They are read-only
+(writes are answered ``403 AccessDenied``).
+
+Counting: ``stats()`` (every request by method and URL path, bytes sent in all; see
+``RemoteControls``) and ``read_stats()`` (answered listings, GETs and HEADs by S3
+operation, and GET body bytes per object). For a server in its own process,
+``S3FolderProcess`` has both.
 """
 
 from __future__ import annotations
@@ -23,7 +38,9 @@ import base64
 import binascii
 import bisect
 import contextlib
+import enum
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -32,11 +49,14 @@ import threading
 import time
 import uuid
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, TypeVar
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 from xml.sax.saxutils import escape
 
@@ -47,9 +67,14 @@ from fastload.testing.http_server import (
     Unsatisfiable,
     parse_range,
 )
+from fastload.testing.process import HTTPServerProcess
 from fastload.testing.s3_server import REGION, _s3_error, storage_options_for
+from fastload.testing.synthetic import LAST_MODIFIED_S, SyntheticLayout, read_spec, write_spec
 
-__all__ = ["S3FolderServer"]
+if TYPE_CHECKING:
+    from _typeshed import SupportsLenAndGetItem
+
+__all__ = ["ReadStats", "S3FolderProcess", "S3FolderServer"]
 
 _XMLNS = "http://s3.amazonaws.com/doc/2006-03-01/"
 _XML_DECL = '<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -70,6 +95,11 @@ _BUCKET_SUBRESOURCES = {"location", "list-type", "delete"}
 _OBJECT_PARAMETERS = {"uploadId", "partNumber", "uploads", "versionId"}
 # Presigned URLs' authentication (SigV2 and SigV4's X-Amz-*); signatures are not checked.
 _SIGV2_PARAMETERS = {"AWSAccessKeyId", "Expires", "Signature"}
+# Where a server in another process answers ``read_stats()`` (beside RemoteControls' paths).
+READ_STATS_PATH = "/__fastload_testing__/s3-read-stats"
+# A folder changed less than this long before it was scanned may change again within the
+# same tick of the filesystem's clock, keeping its timestamps: its scan is not kept.
+_SETTLE_NS = 2 * 10**9
 
 
 def _ignored(parameter: str) -> bool:
@@ -102,6 +132,10 @@ def _no_such_key() -> _S3Error:
 
 def _not_implemented(what: str) -> _S3Error:
     return _S3Error(501, "NotImplemented", f"{what} is not implemented by S3FolderServer")
+
+
+def _read_only(bucket: str) -> _S3Error:
+    return _S3Error(403, "AccessDenied", f"bucket {bucket} is synthetic, hence read-only")
 
 
 def _error_xml(code: str, message: str, resource: str) -> bytes:
@@ -249,23 +283,254 @@ def _file_pieces(path: Path) -> Iterator[bytes]:
             yield piece
 
 
-def _has_objects(directory: str) -> bool:
-    """Whether any object lies below ``directory`` (an empty folder is no S3 prefix)."""
-    stack = [directory]
-    while stack:
+# -- listings -------------------------------------------------------------------------------
+
+
+class _Start(enum.Enum):
+    """Where a listing starts, relative to a bound string."""
+
+    AT = "at"  # the first key >= bound
+    AFTER = "after"  # the first key > bound
+    PAST = "past"  # the first key > bound that does not start with it (skips a common prefix)
+
+
+def _first_index(items: SupportsLenAndGetItem[str], bound: str, start: _Start) -> int:
+    """Where ``start`` from ``bound`` falls in the sorted ``items``."""
+    if start is _Start.AT:
+        return bisect.bisect_left(items, bound)
+    if start is _Start.AFTER:
+        return bisect.bisect_right(items, bound)
+    return bisect.bisect_left(
+        items, True, key=lambda item: item > bound and not item.startswith(bound)
+    )
+
+
+class _ObjectInfo(NamedTuple):
+    size: int
+    etag: str  # hex, unquoted
+    mtime_s: float
+
+
+_Ref = TypeVar("_Ref")
+
+
+class _Listing(Protocol[_Ref]):
+    """One bucket's objects in key order, for one request."""
+
+    def keys_from(self, bound: str, start: _Start) -> Iterator[tuple[str, _Ref]]:
+        """(key, what ``describe`` takes) of every object from ``start`` on, in key order."""
+        ...
+
+    def describe(self, ref: _Ref) -> _ObjectInfo | None:
+        """Size, ETag and mtime; None if the object went away meanwhile."""
+        ...
+
+
+def _scan_directory(directory: str) -> list[str]:
+    """The sorted entries of a folder that listings see; subfolders end with "/" (which
+    makes this order the order of the keys below them: "a-b" < "a/" < "a0")."""
+    names = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(_TEMP_PREFIX):
+                continue
+            if entry.is_dir():
+                names.append(entry.name + "/")
+            elif entry.is_file():
+                names.append(entry.name)
+    names.sort()
+    return names
+
+
+class _FolderScan(NamedTuple):
+    stamp: tuple[int, int, int]  # (inode, mtime_ns, ctime_ns) of the folder when scanned
+    names: list[str]
+
+
+class _DirectoryIndex:
+    """Sorted entries of the folders below root, each scanned again only when it changed.
+
+    Adding, removing or renaming an entry moves the folder's mtime and ctime, so one
+    ``stat`` tells whether a kept scan still holds. A folder that changed within
+    ``_SETTLE_NS`` of its scan could change again within one tick of the filesystem's
+    clock and keep its timestamps, so that scan is not kept. The server's own writes
+    ``forget`` the folders they touched.
+    """
+
+    def __init__(self) -> None:
+        self._scans: dict[str, _FolderScan] = {}
+        self._lock = threading.Lock()
+
+    def names(self, directory: str, seen: dict[str, list[str]]) -> list[str]:
+        """``directory``'s entries, checked once per request (``seen``)."""
+        names = seen.get(directory)
+        if names is not None:
+            return names
+        started_ns = time.time_ns()
         try:
-            scan = os.scandir(stack.pop())
+            st = os.stat(directory)
         except OSError:
-            continue
-        with scan:
-            for entry in scan:
-                if entry.name.startswith(_TEMP_PREFIX):
-                    continue
-                if entry.is_dir():
-                    stack.append(entry.path)
-                elif entry.is_file():
-                    return True
-    return False
+            st = None
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            names = []  # missing, or a file where the bound wants a folder
+        else:
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            with self._lock:
+                kept = self._scans.get(directory)
+            if kept is not None and kept.stamp == stamp:
+                names = kept.names
+            else:
+                try:
+                    names = _scan_directory(directory)
+                except OSError:
+                    names = []
+                settled = started_ns - max(st.st_mtime_ns, st.st_ctime_ns) > _SETTLE_NS
+                with self._lock:
+                    if settled:
+                        self._scans[directory] = _FolderScan(stamp, names)
+                    else:
+                        self._scans.pop(directory, None)
+        seen[directory] = names
+        return names
+
+    def files(
+        self, directory: str, base: str, bound: str, start: _Start, seen: dict[str, list[str]]
+    ) -> Iterator[tuple[str, str]]:
+        """(key, path) of the files below ``directory``, whose keys begin with ``base`` (a
+        prefix of ``bound``), in key order from ``start`` at ``bound`` on: the walk bisects
+        its way down the bound's folders, then yields as far as the caller reads."""
+        names = self.names(directory, seen)
+        rest = bound[len(base) :]
+        slash = rest.find("/")
+        if slash < 0:
+            first = _first_index(names, rest, start)
+        else:  # the bound lies in a subfolder, if there is one of that name
+            folder = rest[: slash + 1]
+            first = bisect.bisect_left(names, folder)
+            if first < len(names) and names[first] == folder:
+                path = os.path.join(directory, folder[:-1])
+                yield from self.files(path, base + folder, bound, start, seen)
+                first += 1
+        for i in range(first, len(names)):
+            name = names[i]
+            if name.endswith("/"):  # past the bound: all of it
+                path = os.path.join(directory, name[:-1])
+                yield from self.files(path, base + name, base + name, _Start.AT, seen)
+            else:
+                yield base + name, os.path.join(directory, name)
+
+    def forget(self, directory: Path, up_to: Path) -> None:
+        """Drop the scans of ``directory`` and of its parents up to ``up_to``."""
+        with self._lock:
+            while True:
+                self._scans.pop(str(directory), None)
+                if directory == up_to or directory == directory.parent:
+                    return
+                directory = directory.parent
+
+    def forget_below(self, folder: Path) -> None:
+        below = f"{folder}{os.sep}"
+        with self._lock:
+            for directory in [d for d in self._scans if d == str(folder) or d.startswith(below)]:
+                del self._scans[directory]
+
+
+class _FolderListing:
+    """A folder bucket's files; ``describe`` stats one (and computes its MD5 once)."""
+
+    def __init__(self, server: S3FolderServer, folder: Path) -> None:
+        self._server, self._folder = server, str(folder)
+        self._seen: dict[str, list[str]] = {}
+
+    def keys_from(self, bound: str, start: _Start) -> Iterator[tuple[str, str]]:
+        return self._server._directories.files(self._folder, "", bound, start, self._seen)
+
+    def describe(self, path: str) -> _ObjectInfo | None:
+        try:
+            st = os.stat(path)
+            return _ObjectInfo(st.st_size, self._server._etag(Path(path), st), st.st_mtime)
+        except OSError:
+            return None
+
+
+class _SyntheticListing:
+    """A synthetic bucket's objects, by index: bisections over the computed keys."""
+
+    def __init__(self, layout: SyntheticLayout) -> None:
+        self._layout = layout
+
+    def keys_from(self, bound: str, start: _Start) -> Iterator[tuple[str, int]]:
+        layout = self._layout
+        for index in range(_first_index(layout.keys, bound, start), layout.count):
+            yield layout.key(index), index
+
+    def describe(self, index: int) -> _ObjectInfo:
+        layout = self._layout
+        return _ObjectInfo(layout.size(index), layout.etag(index), LAST_MODIFIED_S)
+
+
+def _listed(
+    listing: _Listing[_Ref], prefix: str, delimiter: str, marker: str
+) -> Iterator[tuple[str, _Ref | None]]:
+    """A listing's entries after ``marker``, in order: (key, ref) for each object,
+    (common prefix, None) once for all the keys the delimiter rolls up into it."""
+    bound, start = (marker, _Start.AFTER) if marker >= prefix else (prefix, _Start.AT)
+    while True:
+        for key, ref in listing.keys_from(bound, start):
+            if not key.startswith(prefix):
+                return
+            at = key.find(delimiter, len(prefix)) if delimiter else -1
+            if at < 0:
+                yield key, ref
+                continue
+            common = key[: at + len(delimiter)]
+            yield common, None
+            bound, start = common, _Start.PAST  # the keys below it are rolled up: skip them
+            break
+        else:
+            return
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    """What an S3FolderServer answered to reads, counted as it answered them.
+
+    ``operations``: (S3 operation, path) -> answers, for ListObjects and ListObjectsV2
+    (path ``/bucket``, a request per page), GetObject (each ranged GET one) and
+    HeadObject (path ``/bucket/key``). Requests that an injected fault or an S3 error
+    answered instead are not here (``stats()`` counts every request).
+    ``body_bytes``: ``/bucket/key`` -> GetObject body bytes sent (half of a body that a
+    truncate fault cut short).
+    """
+
+    operations: Mapping[tuple[str, str], int]
+    body_bytes: Mapping[str, int]
+
+    def count(self, operation: str, path: str | None = None) -> int:
+        """Answers of ``operation`` (for ``path`` only, unless None)."""
+        return sum(
+            n
+            for (op, p), n in self.operations.items()
+            if op == operation and (path is None or p == path)
+        )
+
+    @property
+    def listings(self) -> int:
+        """ListObjects and ListObjectsV2 pages, all buckets."""
+        return self.count("ListObjects") + self.count("ListObjectsV2")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "operations": [[op, p, n] for (op, p), n in self.operations.items()],
+            "body_bytes": dict(self.body_bytes),
+        }
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> ReadStats:
+        return ReadStats(
+            operations=MappingProxyType({(op, p): n for op, p, n in data["operations"]}),
+            body_bytes=MappingProxyType(dict(data["body_bytes"])),
+        )
 
 
 # -- the handler ------------------------------------------------------------------------------
@@ -298,6 +563,18 @@ class _Handler(ControlledHandler):
         if getattr(self, "command", None) != "HEAD" and code >= 200:
             self.server.controls._count_sent(len(body))
             self.wfile.write(body)
+
+    def _answer_control(self, path: str) -> bool:
+        if path != READ_STATS_PATH:
+            return super()._answer_control(path)
+        body = json.dumps(self._controls.read_stats().to_json()).encode()
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        return True
 
     def _handle(self) -> None:
         split = urlsplit(self.path)
@@ -391,6 +668,9 @@ class _Handler(ControlledHandler):
         if method in ("GET", "HEAD"):
             if "uploadId" in args or "uploads" in args:
                 raise _not_implemented("ListParts")
+            layout = controls._synthetic.get(bucket)
+            if layout is not None:
+                return self._get_synthetic_object(layout, bucket, key, b, truncate)
             return self._get_object(bucket, key, b, truncate)
         if method == "PUT" and "uploadId" in args:
             etag = controls._upload_part(args["uploadId"], args.get("partNumber", ""), self._body())
@@ -426,10 +706,10 @@ class _Handler(ControlledHandler):
         if unknown:
             raise _not_implemented(f"{method} /{bucket}?{'&'.join(sorted(unknown))}")
         if method == "HEAD" and not subresources:
-            controls._bucket_dir(bucket)
+            controls._check_bucket(bucket)
             return self._send_empty(200, {"x-amz-bucket-region": REGION})
         if method == "GET" and subresources == {"location"}:
-            controls._bucket_dir(bucket)
+            controls._check_bucket(bucket)
             location = f'{_XML_DECL}<LocationConstraint xmlns="{_XMLNS}"></LocationConstraint>'
             return self._send_xml(200, location.encode(), b, truncate=truncate)
         if method == "GET" and subresources <= {"list-type"}:
@@ -437,13 +717,15 @@ class _Handler(ControlledHandler):
             if version not in ("1", "2"):
                 raise _S3Error(400, "InvalidArgument", f"list-type={version}")
             body = controls._list_objects_xml(bucket, args, v2=version == "2")
+            controls._count_read("ListObjectsV2" if version == "2" else "ListObjects", f"/{bucket}")
             return self._send_xml(200, body, b, truncate=truncate)
         if method == "PUT" and not subresources:
             for _ in self._body():
                 pass  # CreateBucketConfiguration: the region does not matter here
             if not _valid_bucket_name(bucket):
                 raise _S3Error(400, "InvalidBucketName", "The specified bucket is not valid.")
-            controls.create_bucket(bucket)
+            if bucket not in controls._synthetic:  # which exists already, as S3 allows
+                controls.create_bucket(bucket)
             return self._send_empty(200, {"Location": f"/{bucket}"})
         if method == "DELETE" and not subresources:
             controls._delete_bucket(bucket)
@@ -481,21 +763,9 @@ class _Handler(ControlledHandler):
             if not stat.S_ISREG(st.st_mode):
                 raise _no_such_key()
             size = st.st_size
-            headers = {
-                "Accept-Ranges": "bytes",
-                "ETag": f'"{controls._etag(path, st, f)}"',
-                "Last-Modified": formatdate(st.st_mtime, usegmt=True),
-                "Content-Type": "binary/octet-stream",
-            }
-            byte_range = None
-            range_header = self.headers.get("Range")
-            if range_header is not None:
-                try:
-                    byte_range = parse_range(range_header, size)
-                except Unsatisfiable:
-                    raise _S3Error(
-                        416, "InvalidRange", "The requested range is not satisfiable"
-                    ) from None
+            headers = _object_headers(controls._etag(path, st, f), st.st_mtime)
+            byte_range = self._byte_range(size)
+            self._count_object_read(bucket, key, size, byte_range, truncate)
             self._send_open_file(
                 f,
                 size,
@@ -505,6 +775,61 @@ class _Handler(ControlledHandler):
                 truncate=truncate,
                 b=b,
             )
+
+    def _get_synthetic_object(
+        self, layout: SyntheticLayout, bucket: str, key: str, b: RemoteBehavior, truncate: bool
+    ) -> None:
+        index = layout.index(key)
+        if index is None:
+            raise _no_such_key()
+        size = layout.size(index)
+        byte_range = self._byte_range(size)
+        start, end = byte_range or (0, size)
+        self._count_object_read(bucket, key, size, byte_range, truncate)
+        if byte_range is None:
+            self.send_response(HTTPStatus.OK)
+        else:
+            self.send_response(HTTPStatus.PARTIAL_CONTENT)
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        self.send_header("Content-Length", str(end - start))
+        for name, value in _object_headers(layout.etag(index), LAST_MODIFIED_S).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if self.command == "GET":
+            self._send_body(
+                lambda n: layout.read(index, start, start + n), end - start, truncate, b
+            )
+
+    def _byte_range(self, size: int) -> tuple[int, int] | None:
+        """The Range header's [start, end), None for the whole object; raises InvalidRange."""
+        range_header = self.headers.get("Range")
+        if range_header is None:
+            return None
+        try:
+            return parse_range(range_header, size)
+        except Unsatisfiable:
+            raise _S3Error(416, "InvalidRange", "The requested range is not satisfiable") from None
+
+    def _count_object_read(
+        self, bucket: str, key: str, size: int, byte_range: tuple[int, int] | None, truncate: bool
+    ) -> None:
+        path = f"/{bucket}/{key}"
+        if self.command == "HEAD":
+            self._controls._count_read("HeadObject", path)
+            return
+        start, end = byte_range or (0, size)
+        self._controls._count_read(
+            "GetObject", path, (end - start) // 2 if truncate else end - start
+        )
+
+
+def _object_headers(etag: str, mtime_s: float) -> dict[str, str]:
+    return {
+        "Accept-Ranges": "bytes",
+        "ETag": f'"{etag}"',
+        "Last-Modified": formatdate(mtime_s, usegmt=True),
+        "Content-Type": "binary/octet-stream",
+    }
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -531,6 +856,11 @@ class S3FolderServer(LoopbackServer):
     private endpoint; ``RemoteBehavior.realistic()`` adds S3's latency tail and bursts of
     ``503 SlowDown``.
 
+    ``synthetic`` maps bucket names to layouts of computed objects
+    (:mod:`fastload.testing.synthetic`), served read-only beside the folder buckets, as
+    are those declared in ``root``'s spec file (``synthetic.write_spec``). A folder of a
+    synthetic bucket's name must not exist.
+
     Sets ``AWS_DEFAULT_REGION=us-east-1`` in ``os.environ``, as ``S3Server`` does.
     """
 
@@ -540,16 +870,28 @@ class S3FolderServer(LoopbackServer):
         *,
         behavior: RemoteBehavior | None = None,
         tls: bool = False,
+        synthetic: Mapping[str, SyntheticLayout] | None = None,
     ) -> None:
         self._owns_root = root is None
         if root is None:
             root = tempfile.mkdtemp(prefix="fastload-s3folder-")
         Path(root).mkdir(parents=True, exist_ok=True)
         self._root = Path(root).resolve(strict=True)
+        self._synthetic = {**read_spec(self._root), **(synthetic or {})}
+        for name in self._synthetic:
+            if not _valid_bucket_name(name) or (self._root / name).exists():
+                raise ValueError(
+                    f"synthetic bucket {name!r}: not a bucket name, or {self._root / name} "
+                    "exists (a folder bucket of that name)"
+                )
+        self._directories = _DirectoryIndex()
         self._etags: dict[str, tuple[int, int, str]] = {}  # path -> (size, mtime_ns, md5)
         self._etags_lock = threading.Lock()
         self._uploads: dict[str, _Upload] = {}
         self._uploads_lock = threading.Lock()
+        self._reads: Counter[tuple[str, str]] = Counter()  # (operation, path) -> answers
+        self._body_bytes: Counter[str] = Counter()  # path -> GetObject body bytes
+        self._reads_lock = threading.Lock()
         os.environ["AWS_DEFAULT_REGION"] = REGION
         super().__init__(_Handler, behavior=behavior, tls=tls)
 
@@ -567,12 +909,40 @@ class S3FolderServer(LoopbackServer):
         """A fresh dict of s3fs keyword arguments that reach this server (and trust it)."""
         return storage_options_for(self.endpoint_url, self.ca_file)
 
+    @property
+    def synthetic(self) -> Mapping[str, SyntheticLayout]:
+        """The synthetic buckets' layouts, by bucket name."""
+        return MappingProxyType(self._synthetic)
+
+    # -- counters -------------------------------------------------------------------------
+
+    def read_stats(self) -> ReadStats:
+        """A snapshot of the answered listings, GETs and HEADs and GET body bytes."""
+        with self._reads_lock:
+            return ReadStats(
+                operations=MappingProxyType(dict(self._reads)),
+                body_bytes=MappingProxyType(dict(self._body_bytes)),
+            )
+
+    def reset_stats(self) -> None:
+        """Zero the counters, ``read_stats()``'s too (queued faults and behavior stay)."""
+        super().reset_stats()
+        with self._reads_lock:
+            self._reads.clear()
+            self._body_bytes.clear()
+
+    def _count_read(self, operation: str, path: str, body_bytes: int = 0) -> None:
+        with self._reads_lock:
+            self._reads[(operation, path)] += 1
+            if body_bytes:
+                self._body_bytes[path] += body_bytes
+
     # -- helpers (straight to the folder: no knobs, faults or counters) -------------------
 
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name``; fine if it already exists."""
-        if not _valid_bucket_name(name):
-            raise ValueError(f"not a bucket name this server can serve: {name!r}")
+        if not _valid_bucket_name(name) or name in self._synthetic:
+            raise ValueError(f"not a bucket name this server can create: {name!r}")
         (self._root / name).mkdir(exist_ok=True)
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
@@ -614,6 +984,7 @@ class S3FolderServer(LoopbackServer):
                     self._etag(dest, os.fstat(f.fileno()), f)
             else:
                 self._remember_etag(dest, _write_atomically(dest, _file_pieces(path)))
+            self._directories.forget(dest.parent, up_to=self._root)
             keys.append(key)
         return keys
 
@@ -645,13 +1016,27 @@ class S3FolderServer(LoopbackServer):
     # -- paths and ETags ------------------------------------------------------------------
 
     def _bucket_dir(self, bucket: str) -> Path:
-        """The folder of an existing bucket; raises NoSuchBucket."""
+        """The folder of an existing folder bucket; raises NoSuchBucket, or AccessDenied
+        for a synthetic bucket (which has no folder to read or write)."""
+        if bucket in self._synthetic:
+            raise _read_only(bucket)
         if not _valid_bucket_name(bucket):
             raise _no_such_bucket()
         folder = self._root / bucket
         if not folder.is_dir():
             raise _no_such_bucket()
         return folder
+
+    def _check_bucket(self, bucket: str) -> None:
+        """Raises NoSuchBucket unless ``bucket`` exists (in a folder or synthetic)."""
+        if bucket not in self._synthetic:
+            self._bucket_dir(bucket)
+
+    def _listing(self, bucket: str) -> _Listing[Any]:
+        layout = self._synthetic.get(bucket)
+        if layout is not None:
+            return _SyntheticListing(layout)
+        return _FolderListing(self, self._bucket_dir(bucket))
 
     def _object_path(self, bucket: str, key: str) -> Path:
         """Where ``key`` lives; raises NoSuchKey for keys no file can stand for."""
@@ -693,6 +1078,7 @@ class S3FolderServer(LoopbackServer):
             if any(body):
                 raise _S3Error(400, "InvalidArgument", "a key ending in / must be empty")
             (folder / key).mkdir(parents=True, exist_ok=True)
+            self._directories.forget(folder / key, up_to=folder)
             return _EMPTY_MD5
         dest = self._object_path(bucket, key)
         try:
@@ -702,17 +1088,29 @@ class S3FolderServer(LoopbackServer):
             raise _S3Error(
                 409, "KeyConflict", f"{key}: a folder cannot hold both this key and its prefix"
             ) from None
+        finally:
+            # The server's own writes need no timestamps to show in the next listing.
+            self._directories.forget(dest.parent, up_to=folder)
         self._remember_etag(dest, md5)
         return md5
 
     def _copy_object(self, bucket: str, key: str, copy_source: str) -> bytes:
         source = unquote(copy_source.split("?", 1)[0]).lstrip("/")
         source_bucket, _, source_key = source.partition("/")
-        self._bucket_dir(source_bucket)
-        source_path = self._object_path(source_bucket, source_key)
-        if not source_path.is_file():
-            raise _no_such_key()
-        md5 = self._put_object(bucket, key, _file_pieces(source_path))
+        layout = self._synthetic.get(source_bucket)
+        pieces: Iterator[bytes]
+        if layout is not None:
+            index = layout.index(source_key)
+            if index is None:
+                raise _no_such_key()
+            pieces = layout.read(index, 0, layout.size(index))
+        else:
+            self._bucket_dir(source_bucket)
+            source_path = self._object_path(source_bucket, source_key)
+            if not source_path.is_file():
+                raise _no_such_key()
+            pieces = _file_pieces(source_path)
+        md5 = self._put_object(bucket, key, pieces)
         mtime = self._object_path(bucket, key).stat().st_mtime
         return (
             f'{_XML_DECL}<CopyObjectResult xmlns="{_XMLNS}"><LastModified>{_iso8601(mtime)}'
@@ -727,6 +1125,7 @@ class S3FolderServer(LoopbackServer):
             return  # S3 deletes missing keys without complaint
         with contextlib.suppress(FileNotFoundError, NotADirectoryError, IsADirectoryError):
             path.unlink()
+        self._directories.forget(path.parent, up_to=self._root / bucket)
         with self._etags_lock:
             self._etags.pop(str(path), None)
 
@@ -755,9 +1154,10 @@ class S3FolderServer(LoopbackServer):
 
     def _delete_bucket(self, bucket: str) -> None:
         folder = self._bucket_dir(bucket)
-        if _has_objects(str(folder)):
+        if next(_FolderListing(self, folder).keys_from("", _Start.AT), None) is not None:
             raise _S3Error(409, "BucketNotEmpty", "The bucket you tried to delete is not empty")
         shutil.rmtree(folder, ignore_errors=True)
+        self._directories.forget_below(folder)
 
     def _create_multipart_upload(self, bucket: str, key: str) -> bytes:
         self._bucket_dir(bucket)
@@ -838,56 +1238,25 @@ class S3FolderServer(LoopbackServer):
     # -- listings -------------------------------------------------------------------------
 
     def _list_buckets_xml(self) -> bytes:
-        buckets = []
-        for entry in sorted(os.scandir(self._root), key=lambda e: e.name):
-            if entry.is_dir() and not entry.name.startswith("."):
-                created = _iso8601(entry.stat().st_mtime)
-                buckets.append(
-                    f"<Bucket><Name>{escape(entry.name)}</Name>"
-                    f"<CreationDate>{created}</CreationDate></Bucket>"
-                )
+        created = {
+            entry.name: entry.stat().st_mtime
+            for entry in os.scandir(self._root)
+            if entry.is_dir() and not entry.name.startswith(".")
+        }
+        created.update(dict.fromkeys(self._synthetic, LAST_MODIFIED_S))
+        buckets = [
+            f"<Bucket><Name>{escape(name)}</Name>"
+            f"<CreationDate>{_iso8601(mtime)}</CreationDate></Bucket>"
+            for name, mtime in sorted(created.items())
+        ]
         return (
             f'{_XML_DECL}<ListAllMyBucketsResult xmlns="{_XMLNS}"><Owner><ID>fastload</ID>'
             f"<DisplayName>fastload</DisplayName></Owner><Buckets>{''.join(buckets)}</Buckets>"
             "</ListAllMyBucketsResult>"
         ).encode()
 
-    def _candidates(
-        self, folder: Path, prefix: str, folders_as_prefixes: bool
-    ) -> list[tuple[str, str, bool]]:
-        """Sorted (key, filesystem path, is_folder) below ``folder`` whose keys start with
-        ``prefix``. With ``folders_as_prefixes`` (delimiter "/"), folders past the prefix
-        are not walked: each stands for its common prefix, key ``name/``."""
-        head = prefix.rpartition("/")[0]
-        start = os.path.join(folder, head) if head else str(folder)
-        found: list[tuple[str, str, bool]] = []
-        stack = [(start, head + "/" if head else "")]
-        while stack:
-            directory, base = stack.pop()
-            try:
-                scan = os.scandir(directory)
-            except OSError:  # missing, or a file where the prefix wants a folder
-                continue
-            with scan:
-                for entry in scan:
-                    if entry.name.startswith(_TEMP_PREFIX):
-                        continue
-                    key = base + entry.name
-                    if entry.is_dir():
-                        sub = key + "/"
-                        if not (sub.startswith(prefix) or prefix.startswith(sub)):
-                            continue
-                        if folders_as_prefixes and sub.startswith(prefix):
-                            found.append((sub, entry.path, True))
-                        else:
-                            stack.append((entry.path, sub))
-                    elif key.startswith(prefix) and entry.is_file():
-                        found.append((key, entry.path, False))
-        found.sort()
-        return found
-
     def _list_objects_xml(self, bucket: str, args: dict[str, str], *, v2: bool) -> bytes:
-        folder = self._bucket_dir(bucket)
+        listing = self._listing(bucket)
         prefix = args.get("prefix", "")
         delimiter = args.get("delimiter", "")
         try:
@@ -904,32 +1273,21 @@ class S3FolderServer(LoopbackServer):
                 ) from None
         else:
             marker = args.get("start-after" if v2 else "marker", "")
-        candidates = self._candidates(folder, prefix, delimiter == "/")
-        start = bisect.bisect_right(candidates, marker, key=lambda c: c[0]) if marker else 0
-        if start and candidates[start - 1][2] and marker.startswith(candidates[start - 1][0]):
-            start -= 1  # the marker lies inside a folder rolled up into a common prefix
-        contents: list[tuple[str, str]] = []
+        contents: list[tuple[str, Any]] = []
         prefixes: list[str] = []
         truncated = False
         last = ""
-        for key, path, is_folder in candidates[start:]:
-            common: str | None = None
-            if is_folder:
-                common = key
-            elif delimiter and (at := key.find(delimiter, len(prefix))) >= 0:
-                common = key[: at + len(delimiter)]
-            if common is not None and (common == marker or (prefixes and prefixes[-1] == common)):
-                continue  # returned already (on this page or the one before)
-            if is_folder and not _has_objects(path):
-                continue
+        for key, ref in _listed(listing, prefix, delimiter, marker):
+            if ref is None and key == marker:
+                continue  # the common prefix a page ended with: returned on that page
             if len(contents) + len(prefixes) >= max_keys:
                 truncated = True
                 break
-            if common is not None:
-                prefixes.append(common)
+            if ref is None:
+                prefixes.append(key)
             else:
-                contents.append((key, path))
-            last = common or key
+                contents.append((key, ref))
+            last = key
         encode: Callable[[str], str] = _url_encode if args.get("encoding-type") == "url" else escape
         out = [f'{_XML_DECL}<ListBucketResult xmlns="{_XMLNS}"><Name>{escape(bucket)}</Name>']
         out.append(f"<Prefix>{encode(prefix)}</Prefix>")
@@ -952,15 +1310,13 @@ class S3FolderServer(LoopbackServer):
             out.append(f"<NextContinuationToken>{next_token}</NextContinuationToken>")
         elif truncated:
             out.append(f"<NextMarker>{encode(last)}</NextMarker>")
-        for key, path in contents:
-            try:
-                st = os.stat(path)
-                etag = self._etag(Path(path), st)
-            except OSError:
+        for key, ref in contents:
+            info = listing.describe(ref)
+            if info is None:
                 continue  # deleted since the walk
             out.append(
-                f"<Contents><Key>{encode(key)}</Key><LastModified>{_iso8601(st.st_mtime)}"
-                f"</LastModified><ETag>&quot;{etag}&quot;</ETag><Size>{st.st_size}</Size>"
+                f"<Contents><Key>{encode(key)}</Key><LastModified>{_iso8601(info.mtime_s)}"
+                f"</LastModified><ETag>&quot;{info.etag}&quot;</ETag><Size>{info.size}</Size>"
                 "<StorageClass>STANDARD</StorageClass></Contents>"
             )
         out.extend(
@@ -968,3 +1324,46 @@ class S3FolderServer(LoopbackServer):
         )
         out.append("</ListBucketResult>")
         return "".join(out).encode()
+
+
+class S3FolderProcess(HTTPServerProcess):
+    """An :class:`S3FolderServer` in a process of its own (so its work does not share the
+    client's GIL), serving ``root`` (a temporary folder if None, removed on ``close()``)
+    and the ``synthetic`` buckets.
+
+    Everything of :class:`~fastload.testing.HTTPServerProcess` (``url``,
+    ``storage_options``, ``stats()``, ``reset_stats()``, ``close()``), plus
+    ``read_stats()``. The layouts reach the server through a spec file in ``root``
+    (``synthetic.write_spec``), deleted on ``close()``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        synthetic: Mapping[str, SyntheticLayout] | None = None,
+        behavior: RemoteBehavior | None = None,
+        tls: bool = False,
+    ) -> None:
+        self._owned_root = tempfile.mkdtemp(prefix="fastload-s3folder-") if root is None else None
+        served = Path(self._owned_root or root or ".")
+        self._spec = write_spec(served, synthetic) if synthetic else None
+        try:
+            super().__init__(served, s3=True, behavior=behavior, tls=tls)
+        except BaseException:
+            self._remove_files()
+            raise
+
+    def read_stats(self) -> ReadStats:
+        """The server's ``S3FolderServer.read_stats()``."""
+        return ReadStats.from_json(json.loads(self._helper(READ_STATS_PATH)))
+
+    def close(self) -> None:
+        super().close()
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        if self._spec is not None:
+            self._spec.unlink(missing_ok=True)
+        if self._owned_root is not None:
+            shutil.rmtree(self._owned_root, ignore_errors=True)
