@@ -142,6 +142,34 @@ def _warm(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _index(args: argparse.Namespace) -> int:
+    from fastload.datasets.tar import INDEX_JOBS, write_index
+
+    report = write_index(
+        args.url,
+        cache_dir=args.cache_dir,
+        jobs=args.jobs or INDEX_JOBS,
+        to=args.to,
+        progress=None if not args.json else False,
+    )
+    done = (
+        f"indexed {report.shards:,} tar shards ({report.samples:,} samples, "
+        f"{report.shard_bytes / 1e6:,.1f} MB read) in {report.seconds:.1f}s"
+    )
+    if report.in_cache:
+        text = (
+            f"{done}; wrote their indexes into {report.written_to}, not next to the shards "
+            f"({report.why_in_cache}): opens with this cache directory read only them"
+        )
+    else:
+        text = (
+            f"{done}; wrote {report.written_to} ({report.index_bytes / 1e3:,.1f} kB): opening "
+            "the dataset reads only it"
+        )
+    _print(report.to_dict(), args.json, text)
+    return 0
+
+
 def _cache(args: argparse.Namespace) -> int:
     from fastload.cache import Cache
 
@@ -321,6 +349,27 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--dry-run", action="store_true")
     warm.add_argument("--json", action="store_true")
     warm.set_defaults(run=_warm)
+
+    index = sub.add_parser(
+        "index",
+        help="write a tar dataset's index once, so that opening it reads only the index",
+        description=(
+            "Reads each .tar shard under URL once (streamed, not cached) and writes "
+            "fastload's index of their samples: fastload.flidx next to the shards where it "
+            "can (a local folder, a bucket with write access), else into the cache."
+        ),
+    )
+    index.add_argument("url")
+    index.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
+    index.add_argument(
+        "--to",
+        choices=["auto", "dataset", "cache"],
+        default="auto",
+        help="next to the shards (dataset), into the cache, or the first that works (auto)",
+    )
+    index.add_argument("--jobs", type=positive_int, help="shards read at once (default 8)")
+    index.add_argument("--json", action="store_true")
+    index.set_defaults(run=_index)
 
     cache = sub.add_parser("cache", help="inspect and maintain the local cache")
     cache.add_argument("action", choices=["ls", "du", "verify", "evict", "clear"])

@@ -6,7 +6,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from fastload.cache import Cache, PlanHint, Policy
 from fastload.manifest import load_manifest
@@ -91,6 +91,14 @@ class WarmReport:
         return self.failed == 0
 
 
+class Progress(Protocol):
+    """Counts so far, as the stager (and ``fastload index``) report them."""
+
+    objects_done: int
+    bytes_done: int
+    fetched_bytes: int
+
+
 class ProgressBar:
     """One line on a terminal, rewritten at most ten times a second; silent elsewhere."""
 
@@ -102,7 +110,7 @@ class ProgressBar:
         self.start = time.monotonic()
         self._last = 0.0
 
-    def __call__(self, p: _Progress) -> None:
+    def __call__(self, p: Progress) -> None:
         now = time.monotonic()
         if not self.enabled or (now - self._last < 0.1 and p.objects_done < self.total_objects):
             return
@@ -146,7 +154,9 @@ def warm(
     policy the cache then also knows the future and evicts what is needed furthest ahead.
     With ``format`` (``"auto"`` detects it), the dataset is opened in that format first, so
     a URL that does not hold one fails before anything is staged, and only the objects the
-    dataset reads are staged (opening a tar dataset indexes its shards through the cache).
+    dataset reads are staged. Opening a tar dataset reads only its index where it has one
+    (``fastload index``, or wids' ``shardindex.json``); without one it reads every shard
+    through the cache, so a node's share then costs the whole dataset's download.
 
     Resumable: objects already cached (same version) are not fetched again. A permanent
     failure (not found, access refused, full disk) raises; transient failures that outlast
