@@ -31,7 +31,7 @@ def test_imagefolder_samples_and_classes_match_the_source(remote: Remote, tmp_pa
         (b"jpeg-bytes", 1),
     ]
     assert ds.suffix(0) == ".png"
-    assert ds.shard_sizes == [1, 1]
+    assert list(ds.shard_sizes) == [1, 1]
 
 
 def test_files_dataset_reads_every_object(remote: Remote, tmp_path: Path) -> None:

@@ -4,25 +4,50 @@ A manifest records, for every object under the root, its key (the path below the
 ``/``-separated), its size and its version (ETag, version id, mtime, whatever the backend
 gives), so later stages never list the remote again unless asked to (``refresh``) or the
 listing is older than its time-to-live.
+
+At ImageNet size (1.28 M objects) a manifest of Python objects costs ~600 bytes a sample in
+every rank and worker and tens of MB to pickle. So a manifest is columnar, in one file under
+the cache (``manifests/<id>.flm``) that every process on the node memory-maps: keys sorted
+by code point (UTF-8 in one blob, with offsets), sizes, versions. The pages are the page
+cache's, shared by all ranks and workers; a pickled manifest is its file's path. The first
+process to need a listing lists, holding ``manifests/<id>.lock``; the others on the node
+wait for it and map what it wrote.
+
+File layout (little-endian): the magic ``FLMANIF1``, a uint64 header length, the header
+(JSON: url, listed_at, count, blob sizes), padding to 8 bytes, then int64 key offsets
+(count + 1), int64 sizes (-1: unknown), int64 version offsets (count + 1), the keys' xxh3
+hashes sorted (uint64) and the index of each (int64) -- a key's index in a few vectorized
+steps, not a bisect over strings --, uint8 version-present flags, the key blob, the version
+blob.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
+import itertools
 import json
+import logging
+import mmap
 import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import fsspec
+import numpy as np
+import numpy.typing as npt
+import xxhash
 
 from fastload.errors import RemoteError
 from fastload.remote import is_http, key_of, open_filesystem, public_url, remote_url, with_retries
-from fastload.transport import transport_for
+from fastload.transport import Listing, transport_for
+
+log = logging.getLogger(__name__)
 
 _VERSION_FIELDS = (
     "VersionId",
@@ -39,6 +64,10 @@ _VERSION_FIELDS = (
 )
 _HEAD_CONCURRENCY = 64
 _HEAD_TIMEOUT_S = 60.0
+_MAGIC = b"FLMANIF1"
+_SUFFIX = ".flm"
+# Keys are stored UTF-8; surrogates (undecodable local names) pass through, in code point order.
+_ENCODING = ("utf-8", "surrogatepass")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,46 +79,371 @@ class RemoteObject:
     version: str | None
 
 
-@dataclass(frozen=True)
+Int64s = npt.NDArray[np.int64]
+
+
 class Manifest:
-    url: str  # the dataset root, credentials removed
-    objects: tuple[RemoteObject, ...]
-    listed_at: float
+    """A dataset's listing in columns (see the module docstring), sorted by key.
+
+    ``Manifest(url, objects, listed_at)`` builds one in memory; :meth:`load` maps a saved
+    one. Index ``i`` names the i-th object in key order: :meth:`key`, :meth:`size`,
+    :meth:`version`, :meth:`index_of`; iterating gives :class:`RemoteObject` values.
+    """
+
+    def __init__(
+        self, url: str, objects: Iterable[RemoteObject] = (), listed_at: float = 0.0
+    ) -> None:
+        found = {o.key: o for o in objects}  # one object per key, the last listed
+        keys = sorted(found)
+        self._init_columns(
+            url,
+            listed_at,
+            keys,
+            [found[k].size for k in keys],
+            [found[k].version for k in keys],
+        )
+        self.path: Path | None = None
+
+    @classmethod
+    def from_columns(
+        cls,
+        url: str,
+        listed_at: float,
+        keys: Sequence[str],
+        sizes: Sequence[int | None],
+        versions: Sequence[str | None],
+    ) -> Manifest:
+        """From parallel columns; keys need not be sorted (they are sorted here, and a key
+        listed twice keeps its last entry)."""
+        if any(a >= b for a, b in itertools.pairwise(keys)):  # listings usually come sorted
+            last = {k: i for i, k in enumerate(keys)}
+            order = sorted(last.values(), key=keys.__getitem__)
+            keys = [keys[i] for i in order]
+            sizes = [sizes[i] for i in order]
+            versions = [versions[i] for i in order]
+        self = cls.__new__(cls)
+        self._init_columns(url, listed_at, keys, sizes, versions)
+        self.path = None
+        return self
+
+    def _init_columns(
+        self,
+        url: str,
+        listed_at: float,
+        keys: Sequence[str],
+        sizes: Sequence[int | None],
+        versions: Sequence[str | None],
+    ) -> None:
+        self.url = url
+        self.listed_at = float(listed_at)
+        encoded = [k.encode(*_ENCODING) for k in keys]
+        self._key_offsets = _offsets(encoded)
+        self._key_blob: bytes | memoryview = b"".join(encoded)
+        self._sizes = np.array([-1 if s is None else s for s in sizes], dtype=np.int64)
+        present = [v is not None for v in versions]
+        encoded = [v.encode(*_ENCODING) if v is not None else b"" for v in versions]
+        self._version_offsets = _offsets(encoded)
+        self._version_blob: bytes | memoryview = b"".join(encoded)
+        self._version_present = np.array(present, dtype=np.uint8)
+        hashes = np.fromiter(
+            map(xxhash.xxh3_64_intdigest, (k.encode(*_ENCODING) for k in keys)),
+            np.uint64,
+            len(keys),
+        )
+        self._hash_order = np.argsort(hashes, kind="stable").astype(np.int64)
+        self._key_hashes = hashes[self._hash_order]
+        self._total_bytes: int | None = None
+
+    # --- reading ---------------------------------------------------------------------------
 
     @property
     def dataset_id(self) -> str:
         return hashlib.sha256(self.url.encode()).hexdigest()[:24]
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(o.size or 0 for o in self.objects)
+    def __len__(self) -> int:
+        return len(self._sizes)
 
-    def object_url(self, obj: RemoteObject) -> str:
-        return self.url if obj.key == "" else f"{self.url.rstrip('/')}/{obj.key}"
+    def key(self, i: int) -> str:
+        o = self._key_offsets
+        return str(self._key_blob[o[i] : o[i + 1]], *_ENCODING)
+
+    def size(self, i: int) -> int | None:
+        s = int(self._sizes[i])
+        return None if s < 0 else s
+
+    def version(self, i: int) -> str | None:
+        if not self._version_present[i]:
+            return None
+        o = self._version_offsets
+        return str(self._version_blob[o[i] : o[i + 1]], *_ENCODING)
+
+    def object_at(self, i: int) -> RemoteObject:
+        return RemoteObject(self.key(i), self.size(i), self.version(i))
+
+    def objects_at(self, indices: Sequence[int] | Int64s) -> list[RemoteObject]:
+        """:meth:`object_at` of many indices, their columns gathered at once."""
+        at = np.asarray(indices, dtype=np.int64)
+        k, v = self._key_offsets, self._version_offsets
+        keys, versions = self._key_blob, self._version_blob
+        out = []
+        for ks, ke, size, vs, ve, has in zip(
+            k[at].tolist(),
+            k[at + 1].tolist(),
+            self._sizes[at].tolist(),
+            v[at].tolist(),
+            v[at + 1].tolist(),
+            self._version_present[at].tolist(),
+            strict=True,
+        ):
+            out.append(
+                RemoteObject(
+                    str(keys[ks:ke], *_ENCODING),
+                    None if size < 0 else size,
+                    str(versions[vs:ve], *_ENCODING) if has else None,
+                )
+            )
+        return out
+
+    def index_of(self, key: str) -> int:
+        """The index of key, or -1 if the listing does not hold it."""
+        return int(self.indices_of([key])[0])
+
+    def indices_of(self, keys: Sequence[str]) -> Int64s:
+        """The index of each key (-1 for a key the listing does not hold): one vectorized
+        search of the keys' hashes, then each candidate's bytes compared."""
+        encoded = [k.encode(*_ENCODING) for k in keys]
+        wanted = np.fromiter(map(xxhash.xxh3_64_intdigest, encoded), np.uint64, len(encoded))
+        hashes, order, offsets = self._key_hashes, self._hash_order, self._key_offsets
+        if not len(hashes):
+            return np.full(len(encoded), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(hashes, wanted), len(hashes) - 1)
+        found = np.where(hashes[at] == wanted, order[at], -1)
+        starts, ends = offsets[found].tolist(), offsets[found + 1].tolist()
+        blob = self._key_blob
+        for j, i in enumerate(found.tolist()):
+            if i >= 0 and blob[starts[j] : ends[j]] != encoded[j]:
+                found[j] = self._colliding(encoded[j], int(at[j]))
+        return found
+
+    def _colliding(self, target: bytes, at: int) -> int:
+        """The index of target among the keys after position ``at`` of the sorted hashes
+        that share its hash (a collision), or -1."""
+        hashes, order, offsets = self._key_hashes, self._hash_order, self._key_offsets
+        h = hashes[at]
+        for p in range(at + 1, len(hashes)):
+            if hashes[p] != h:
+                break
+            i = int(order[p])
+            if self._key_blob[offsets[i] : offsets[i + 1]] == target:
+                return i
+        return -1
+
+    def search(self, key: str) -> int:
+        """Where key is, or would go, in key order (``bisect_left`` over the keys)."""
+        target = key.encode(*_ENCODING)
+        blob, offsets = self._key_blob, self._key_offsets
+        lo, hi = 0, len(self)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if bytes(blob[offsets[mid] : offsets[mid + 1]]) < target:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    @property
+    def objects(self) -> _Objects:
+        """The objects in key order, as a sequence made on access (none are kept)."""
+        return _Objects(self)
 
     def __iter__(self) -> Iterator[RemoteObject]:
         return iter(self.objects)
 
-    def __len__(self) -> int:
-        return len(self.objects)
+    @property
+    def sizes(self) -> Int64s:
+        """Every object's size in key order (-1 where the backend gave none); read-only."""
+        return self._sizes
 
-    def to_json(self) -> str:
-        return json.dumps(
+    @property
+    def key_blob(self) -> bytes | memoryview:
+        """The keys, UTF-8, back to back in key order; key i is
+        ``key_blob[key_offsets[i]:key_offsets[i + 1]]``. For column-wide work in numpy."""
+        return self._key_blob
+
+    @property
+    def key_offsets(self) -> Int64s:
+        return self._key_offsets
+
+    @property
+    def total_bytes(self) -> int:
+        if self._total_bytes is None:
+            self._total_bytes = int(self._sizes[self._sizes > 0].sum())
+        return self._total_bytes
+
+    def object_url(self, obj: RemoteObject) -> str:
+        return self.url if obj.key == "" else f"{self.url.rstrip('/')}/{obj.key}"
+
+    def keys(self) -> list[str]:
+        """Every key in order, as Python strings (O(n) objects: for small datasets and
+        tools, not for a sample's path)."""
+        blob, o = self._key_blob, self._key_offsets.tolist()
+        return [str(blob[o[i] : o[i + 1]], *_ENCODING) for i in range(len(self))]
+
+    def derived(self, name: str, make: Callable[[], dict[str, Any]]) -> dict[str, np.ndarray]:
+        """Arrays made from this listing by ``make`` (a dataset's layout: its classes, its
+        samples' order), kept beside the manifest's file so that the next open of the
+        same listing reads them rather than computing them again."""
+        if self.path is None:
+            return {k: np.asarray(v) for k, v in make().items()}
+        path = self.path.with_name(f"{self.path.stem}.{name}.npz")
+        try:
+            with np.load(path, allow_pickle=False) as saved:
+                if float(saved["listed_at"]) == self.listed_at:
+                    return {k: saved[k] for k in saved.files if k != "listed_at"}
+        except (OSError, ValueError, KeyError, EOFError):
+            pass  # none yet, from an older listing, or unreadable: make it
+        arrays = {k: np.asarray(v) for k, v in make().items()}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            payload: dict[str, Any] = {"listed_at": np.float64(self.listed_at), **arrays}
+            np.savez(f, **payload)
+        os.replace(tmp, path)
+        return arrays
+
+    # --- the file --------------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Writes the manifest to path atomically (a reader never sees half a file)."""
+        header = json.dumps(
             {
                 "url": self.url,
                 "listed_at": self.listed_at,
-                "objects": [[o.key, o.size, o.version] for o in self.objects],
+                "count": len(self),
+                "key_bytes": len(self._key_blob),
+                "version_bytes": len(self._version_blob),
             }
+        ).encode()
+        head = _MAGIC + np.uint64(len(header)).tobytes() + header
+        head += b"\0" * (-len(head) % 8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for array in (self._key_offsets, self._sizes, self._version_offsets):
+                f.write(np.ascontiguousarray(array, dtype="<i8").tobytes())
+            f.write(np.ascontiguousarray(self._key_hashes, dtype="<u8").tobytes())
+            f.write(np.ascontiguousarray(self._hash_order, dtype="<i8").tobytes())
+            f.write(np.ascontiguousarray(self._version_present, dtype=np.uint8).tobytes())
+            f.write(self._key_blob)
+            f.write(self._version_blob)
+        os.replace(tmp, path)
+        self.path = path
+
+    @classmethod
+    def load(cls, path: Path) -> Manifest:
+        """Maps the manifest saved at path (read-only, shared with every process mapping it).
+        Raises ValueError if the file is not a whole manifest."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < len(_MAGIC) + 8:
+                raise ValueError(f"{path} is not a fastload manifest")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        view = memoryview(mapped)
+        if bytes(view[: len(_MAGIC)]) != _MAGIC:
+            raise ValueError(f"{path} is not a fastload manifest")
+        header_len = int(np.frombuffer(view, "<u8", 1, len(_MAGIC))[0])
+        start = len(_MAGIC) + 8
+        header = json.loads(bytes(view[start : start + header_len]))
+        n, key_bytes = int(header["count"]), int(header["key_bytes"])
+        version_bytes = int(header["version_bytes"])
+        at = start + header_len + (-(start + header_len) % 8)
+        if size != at + 8 * (5 * n + 2) + n + key_bytes + version_bytes:
+            raise ValueError(f"{path} is truncated")
+        self = cls.__new__(cls)
+        self.url, self.listed_at = str(header["url"]), float(header["listed_at"])
+        arrays = []
+        for count in (n + 1, n, n + 1):
+            arrays.append(np.frombuffer(view, "<i8", count, at))
+            at += 8 * count
+        self._key_offsets, self._sizes, self._version_offsets = arrays
+        self._key_hashes = np.frombuffer(view, "<u8", n, at)
+        self._hash_order = np.frombuffer(view, "<i8", n, at + 8 * n)
+        at += 16 * n
+        self._version_present = np.frombuffer(view, np.uint8, n, at)
+        at += n
+        self._key_blob = view[at : at + key_bytes]
+        self._version_blob = view[at + key_bytes : at + key_bytes + version_bytes]
+        self._total_bytes = None
+        self.path = path
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.path is not None:  # workers map the node's copy: the path, not the arrays
+            return {"path": str(self.path), "url": self.url, "listed_at": self.listed_at}
+        state = dict(self.__dict__)
+        state["_key_blob"], state["_version_blob"] = (
+            bytes(self._key_blob),
+            bytes(self._version_blob),
         )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "path" not in state or state["path"] is None:
+            self.__dict__.update(state)
+            return
+        loaded = Manifest.load(Path(state["path"]))
+        if loaded.url != state["url"] or loaded.listed_at != state["listed_at"]:
+            raise RemoteError(
+                116,  # ESTALE
+                f"the listing of {state['url']} was refreshed since this dataset was opened "
+                f"({state['path']} changed); open the dataset again",
+            )
+        self.__dict__.update(loaded.__dict__)
+
+    # --- the format before 0.2 ---------------------------------------------------------------
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
+        """A manifest saved as JSON (fastload before the columnar format)."""
         data = json.loads(text)
-        return cls(
-            url=data["url"],
-            listed_at=float(data["listed_at"]),
-            objects=tuple(RemoteObject(k, s, v) for k, s, v in data["objects"]),
+        keys, sizes, versions = (
+            (list(c) for c in zip(*data["objects"], strict=True))
+            if data["objects"]
+            else ([], [], [])
         )
+        return cls.from_columns(data["url"], float(data["listed_at"]), keys, sizes, versions)
+
+
+class _Objects(Sequence[RemoteObject]):
+    def __init__(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+
+    def __len__(self) -> int:
+        return len(self._manifest)
+
+    @overload
+    def __getitem__(self, i: int) -> RemoteObject: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[RemoteObject]: ...
+    def __getitem__(self, i: int | slice) -> RemoteObject | Sequence[RemoteObject]:
+        if isinstance(i, slice):
+            return [self._manifest.object_at(j) for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self._manifest.object_at(i % len(self))
+
+    def __iter__(self) -> Iterator[RemoteObject]:
+        m = self._manifest
+        return (m.object_at(i) for i in range(len(m)))
+
+
+def _offsets(encoded: Sequence[bytes]) -> Int64s:
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
+    return offsets
+
+
+# --- listing -----------------------------------------------------------------------------
 
 
 def _version(info: dict[str, Any]) -> str | None:
@@ -135,15 +489,34 @@ def _crawl_pages(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, dict[str
     return fsspec.asyn.sync(fs.loop, crawl)  # type: ignore[no-any-return]
 
 
-def list_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
-    """Lists every object under url (or the one object url names)."""
+def list_dataset(
+    url: str, storage_options: dict[str, Any] | None = None, *, progress: bool = False
+) -> Manifest:
+    """Lists every object under url (or the one object url names).
+
+    S3 (through obstore) lists class folders and other common prefixes concurrently and
+    builds the columns without a Python dict per object; other backends go through fsspec.
+    ``progress`` shows a count on stderr while listing.
+    """
     fs, root = open_filesystem(url, storage_options)
     shown = public_url(url)
+    root_url = remote_url(fs, root)
+    counter = _ListingProgress(shown) if progress else None
+    transport = transport_for(fs)
+    columns: Listing | None = None
+    if not is_http(fs):
+        columns = with_retries(lambda: transport.list_columns(root, counter), shown)
+    if columns is not None and len(columns.keys):
+        if counter is not None:
+            counter.done(len(columns.keys))
+        return Manifest.from_columns(
+            root_url, time.time(), columns.keys, columns.sizes, columns.versions
+        )
 
     def listing() -> dict[str, dict[str, Any]]:
-        found: dict[str, dict[str, Any]] | None = None
-        found = _crawl_pages(fs, root) if is_http(fs) else transport_for(fs).find(root)
-        if found is None:
+        if is_http(fs):
+            found = _crawl_pages(fs, root)
+        else:
             found = fs.find(root, detail=True, withdirs=False)
         if not found and fs.isfile(root):
             found = {root: fs.info(root)}
@@ -154,28 +527,82 @@ def list_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Man
         raise RemoteError(
             2, f"{shown} lists no objects; check the URL (and storage_options for credentials)"
         )
-    objects = sorted(
-        (
-            RemoteObject(
-                key=key_of(fs, root, str(info.get("name", name))),
-                size=None if info.get("size") is None else int(info["size"]),
-                version=_version(info),
-            )
-            for name, info in found.items()
-            if not str(info.get("name", name)).endswith("/")  # a folder marker, no object
-        ),
-        key=lambda o: o.key,
-    )
-    root_url = remote_url(fs, root)
-    return Manifest(url=root_url, objects=tuple(objects), listed_at=time.time())
+    objects = [
+        RemoteObject(
+            key=key_of(fs, root, str(info.get("name", name))),
+            size=None if info.get("size") is None else int(info["size"]),
+            version=_version(info),
+        )
+        for name, info in found.items()
+        if not str(info.get("name", name)).endswith("/")  # a folder marker, no object
+    ]
+    if counter is not None:
+        counter.done(len(objects))
+    return Manifest(root_url, objects, time.time())
+
+
+class _ListingProgress:
+    """Objects listed so far, on one rewritten line of a terminal (nothing elsewhere)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.count = 0
+        self._shown = 0.0
+        self._tty = sys.stderr.isatty()
+
+    def __call__(self, listed: int) -> None:
+        self.count += listed
+        now = time.monotonic()
+        if self._tty and now - self._shown > 0.2:
+            self._shown = now
+            sys.stderr.write(f"\rlisting {self.url}: {self.count:,} objects")
+            sys.stderr.flush()
+
+    def done(self, count: int) -> None:
+        if self._tty:
+            sys.stderr.write(f"\rlisted {self.url}: {count:,} objects\n")
+            sys.stderr.flush()
+
+
+# --- the cached manifest -------------------------------------------------------------------
 
 
 def manifest_path(cache_dir: Path, url: str) -> Path:
-    return (
-        cache_dir
-        / "manifests"
-        / (hashlib.sha256(public_url(url).encode()).hexdigest()[:24] + ".json")
-    )
+    return cache_dir / "manifests" / (_manifest_id(url) + _SUFFIX)
+
+
+def _manifest_id(url: str) -> str:
+    return hashlib.sha256(public_url(url).encode()).hexdigest()[:24]
+
+
+def _load_saved(path: Path, ttl_s: float | None, newer_than: float | None) -> Manifest | None:
+    """The manifest at path if there is a whole one, fresh enough; else None. A manifest
+    of the JSON format before this one is converted (the same versions: nothing cached is
+    refetched)."""
+    manifest: Manifest | None
+    try:
+        manifest = Manifest.load(path)
+    except FileNotFoundError:
+        manifest = _converted(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: list again
+    if manifest is None:
+        return None
+    age_ok = ttl_s is None or time.time() - manifest.listed_at <= ttl_s
+    if newer_than is not None and manifest.listed_at < newer_than:
+        return None
+    return manifest if age_ok else None
+
+
+def _converted(path: Path) -> Manifest | None:
+    legacy = path.with_suffix(".json")
+    try:
+        manifest = Manifest.from_json(legacy.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    manifest.save(path)
+    legacy.unlink(missing_ok=True)
+    return Manifest.load(path)
 
 
 def load_manifest(
@@ -185,20 +612,51 @@ def load_manifest(
     *,
     refresh: bool = False,
     ttl_s: float | None = None,
+    progress: bool | None = None,
 ) -> Manifest:
-    """The cached listing of url, or a fresh one (kept for next time) when asked or stale."""
+    """The cached listing of url, or a fresh one (kept for next time) when asked or stale.
+
+    One process per node lists: the others wait on ``manifests/<id>.lock`` and map what it
+    wrote (with ``refresh``, a listing made after they asked counts as fresh).
+    ``progress`` (default: when stderr is a terminal) shows the listing's count.
+    """
     path = manifest_path(cache_dir, url)
+    asked_at = time.time()
     if not refresh:
-        try:
-            manifest = Manifest.from_json(path.read_text())
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # missing or unreadable: list again
-        else:
-            if ttl_s is None or time.time() - manifest.listed_at <= ttl_s:
-                return manifest
-    manifest = list_dataset(url, storage_options)
+        manifest = _load_saved(path, ttl_s, None)
+        if manifest is not None:
+            return manifest
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, path)
-    return manifest
+    with _ListingLock(path.with_suffix(".lock"), public_url(url)):
+        manifest = _load_saved(path, ttl_s, asked_at if refresh else None)
+        if manifest is not None:
+            return manifest  # listed by another process while this one waited
+        listed = list_dataset(
+            url, storage_options, progress=sys.stderr.isatty() if progress is None else progress
+        )
+        listed.save(path)
+    return Manifest.load(path)
+
+
+class _ListingLock:
+    """An exclusive ``flock`` on a file of the cache: dropped by the kernel if its holder
+    dies, so a crashed lister never blocks the node."""
+
+    def __init__(self, path: Path, url: str) -> None:
+        self.path = path
+        self.url = url
+        self._fd = -1
+
+    def __enter__(self) -> None:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("fastload: waiting for another process listing %s", self.url)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)  # the holder's listing has its own timeouts
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)  # closing drops the lock

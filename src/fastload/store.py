@@ -25,6 +25,8 @@ from fastload.stage import FetchConfig, Holding, Stager, StageResult
 # Bytes held in memory for objects the cache turns away, unless FetchConfig.hold_bytes or a
 # loader (its look-ahead) says otherwise.
 DEFAULT_HOLD_BYTES = 256 << 20
+# Objects a store remembers having looked up (a few batches' worth; then it starts over).
+_RECENT_OBJECTS = 1 << 14
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +51,7 @@ class CachedStore:
         self._holding: Holding | None = None
         self._pid = -1
         self._manifest = manifest
-        self._by_key: dict[str, RemoteObject] | None = None
+        self._recent: dict[str, RemoteObject] = {}  # objects looked up lately, by key
 
     @classmethod
     def open(cls, url: str, **settings: Any) -> CachedStore:
@@ -112,28 +114,44 @@ class CachedStore:
         return self.manifest.url
 
     def object(self, key: str) -> RemoteObject:
-        if self._by_key is None:
-            self._by_key = {o.key: o for o in self.manifest.objects}
-        try:
-            return self._by_key[key]
-        except KeyError:
-            raise RemoteNotFoundError(
-                2,
-                f"{key!r} is not in the listing of {public_url(self.config.url)}; if the dataset "
-                "changed, open it again with refresh=True",
-            ) from None
+        return self.objects([key])[0]
+
+    def objects(self, keys: Sequence[str]) -> list[RemoteObject]:
+        """The listed object of each key: one vectorized lookup for those not looked up
+        lately (a loader stages a batch's keys, then reads them)."""
+        recent = self._recent  # shared by the loader's threads: read once per key
+        got = {k: recent.get(k) for k in keys}
+        missing = [k for k, o in got.items() if o is None]
+        if missing:
+            manifest = self.manifest
+            found = manifest.indices_of(missing).tolist()
+            if -1 in found:
+                raise RemoteNotFoundError(
+                    2,
+                    f"{missing[found.index(-1)]!r} is not in the listing of "
+                    f"{public_url(self.config.url)}; if the dataset changed, open it again "
+                    "with refresh=True",
+                )
+            looked_up = dict(zip(missing, manifest.objects_at(found), strict=True))
+            got.update(looked_up)
+            if len(recent) > _RECENT_OBJECTS:
+                recent.clear()
+            recent.update(looked_up)
+        return [got[k] for k in keys]  # type: ignore[misc]
 
     def object_url(self, key: str) -> str:
         return self.manifest.object_url(self.object(key))
 
     def object_keys(self) -> list[str]:
-        return [o.key for o in self.manifest.objects]
+        """Every key of the listing (a Python string each: for small datasets; large ones
+        work on ``manifest``'s columns)."""
+        return self.manifest.keys()
 
     def stage(self, keys: Sequence[str], reads: Sequence[int] | None = None) -> list[StageResult]:
         """Fetches keys into the cache now, concurrently, in this order of priority. With
         ``reads`` (how many reads of each key are coming), what the cache turns away is
         fetched too and held in memory for those reads (:meth:`held`)."""
-        objects = [self.object(k) for k in keys]
+        objects = self.objects(keys)
         if reads is None or self.holding.max_bytes == 0:
             return self.stager.stage(objects)
         return self.stager.stage(objects, hold=self.holding, reads=reads)
@@ -165,7 +183,7 @@ class CachedStore:
 
     def local_paths(self, keys: Sequence[str]) -> list[Location | None]:
         """:meth:`local_path` of many keys at once (see ``Cache.lookup_many``)."""
-        objs = [self.object(k) for k in keys]
+        objs = self.objects(keys)
         urls = [self.manifest.object_url(o) for o in objs]
         return self.cache.lookup_many(urls, [o.version for o in objs], [o.size for o in objs])
 

@@ -39,7 +39,9 @@ import re
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import fsspec
@@ -58,9 +60,23 @@ class Transport(Protocol):
         raises what :func:`fastload.remote.classify` sorts, never text with a secret."""
         ...
 
-    def find(self, root: str) -> dict[str, dict[str, Any]] | None:
-        """``fs.find(root, detail=True)``'s answer, or None to let fsspec list."""
+    def list_columns(
+        self, root: str, progress: Callable[[int], None] | None = None
+    ) -> Listing | None:
+        """Every object below root as columns (keys relative to root), without a dict per
+        object kept; None where this transport does not list (fsspec's find does then).
+        ``progress`` is called with the number of objects of each page listed."""
         ...
+
+
+@dataclass
+class Listing:
+    """A listing's columns: keys below the root, sizes, version strings (the same strings
+    ``fastload.manifest`` makes of fsspec's entries, so nothing cached looks changed)."""
+
+    keys: list[str]
+    sizes: list[int]
+    versions: list[str | None]
 
 
 class FsspecTransport:
@@ -83,7 +99,9 @@ class FsspecTransport:
             data = fs.cat_file(path, start=start, end=end)
         return data  # type: ignore[no-any-return]
 
-    def find(self, root: str) -> dict[str, dict[str, Any]] | None:
+    def list_columns(
+        self, root: str, progress: Callable[[int], None] | None = None
+    ) -> Listing | None:
         return None
 
 
@@ -232,40 +250,87 @@ class ObjectStoreTransport(_ObstoreTransport):
             return self._fallback.get(path, start, end)
         return self._get(bucket, key, path, start, end)
 
-    def find(self, root: str) -> dict[str, dict[str, Any]] | None:
-        """Every object below root in s3fs's ``find(detail=True)`` shape (same names, sizes,
-        ETags and LastModified, so versions compare equal); None to let s3fs list.
+    def list_columns(
+        self, root: str, progress: Callable[[int], None] | None = None
+    ) -> Listing | None:
+        """Every object below root, with s3fs's sizes, ETags and LastModified (so versions
+        compare equal); None to let s3fs list.
 
-        object_store normalizes keys (``a/`` and ``a`` are one path to it), so a listing
-        with an empty object (a folder marker, or a key it may have rewritten), a
-        repeated name or a key it rejects is left to s3fs."""
+        The folders below root (class folders, or those of its only folder) are listed
+        concurrently, at most ``_LIST_THREADS`` at once (obstore releases the GIL while it
+        waits); a flat folder is one chain of pages. object_store normalizes keys (``a/`` and ``a``
+        are one path to it), so a listing with an empty object (a folder marker, or a key
+        it may have rewritten) or a key it rejects is left to s3fs."""
         if self._forked():
             return None
         bucket, key, _ = self._fs.split_path(root)
         import obstore
 
-        prefix = key.rstrip("/") or None
-        found: dict[str, dict[str, Any]] = {}
+        store = self._store(bucket)
+        base = key.rstrip("/")
+        cut = len(base) + 1 if base else 0  # keys are relative to root
+
+        def level(prefix: str | None) -> tuple[list[str], Sequence[Any]]:
+            found = obstore.list_with_delimiter(store, prefix=prefix)
+            return sorted(found["common_prefixes"]), found["objects"]
+
+        def add(part: Listing, metas: Sequence[Any]) -> bool:
+            if progress is not None:
+                progress(len(metas))
+            return _add(part, metas, cut)
+
+        def whole(prefix: str) -> Listing | None:
+            part = Listing([], [], [])
+            for page in obstore.list(store, prefix=prefix, chunk_size=1000):
+                if not add(part, page):
+                    return None
+            return part
+
         try:
-            for page in obstore.list(self._store(bucket), prefix=prefix, chunk_size=1000):
-                for meta in page:
-                    name = f"{bucket}/{meta['path']}"
-                    if meta["size"] == 0 or name in found:
-                        return None
-                    found[name] = {
-                        "name": name,
-                        "type": "file",
-                        "size": meta["size"],
-                        "ETag": meta["e_tag"],
-                        "LastModified": meta["last_modified"],
-                    }
+            folders, top = level(base or None)
+            listing = Listing([], [], [])
+            if not add(listing, top):
+                return None
+            while len(folders) == 1:  # root/train/<classes>: the classes are the split
+                folders, objects = level(folders[0])
+                if not add(listing, objects):
+                    return None
+            with ThreadPoolExecutor(min(_LIST_THREADS, max(1, len(folders)))) as pool:
+                parts = list(pool.map(whole, sorted(folders)))
         except Exception as exc:
             error = _translate(exc, self._fallback.timeout_s)
             if isinstance(error, (Declined, ConnectionError)):
                 self._declined.add(bucket)  # ConnectionError: a key object_store rejects
                 return None
             raise error from None
-        return found
+        for part in parts:
+            if part is None:
+                return None
+            listing.keys += part.keys
+            listing.sizes += part.sizes
+            listing.versions += part.versions
+        return listing
+
+
+# Folders of a bucket listed at once (each a chain of 1,000-key pages).
+_LIST_THREADS = 16
+
+
+def _add(listing: Listing, metas: Sequence[Any], cut: int) -> bool:
+    """Appends obstore's entries to listing; False at an entry only s3fs lists right (an
+    empty object)."""
+    keys, sizes, versions = listing.keys, listing.sizes, listing.versions
+    for meta in metas:
+        size = meta["size"]
+        if size == 0:
+            return False
+        keys.append(meta["path"][cut:])
+        sizes.append(size)
+        etag = meta["e_tag"]
+        # fastload.manifest's version of s3fs's entry {"ETag": ..., "LastModified": ...}
+        version = f"LastModified={meta['last_modified']}"
+        versions.append(f"ETag={etag};{version}"[:512] if etag else version[:512])
+    return True
 
 
 class ObjectStoreHTTPTransport(_ObstoreTransport):
@@ -322,7 +387,9 @@ class ObjectStoreHTTPTransport(_ObstoreTransport):
             return self._fallback.get(path, start, end)
         return self._get(target[0], target[1], path, start, end)
 
-    def find(self, root: str) -> dict[str, dict[str, Any]] | None:
+    def list_columns(
+        self, root: str, progress: Callable[[int], None] | None = None
+    ) -> Listing | None:
         return None
 
 

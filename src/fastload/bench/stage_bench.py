@@ -178,7 +178,7 @@ def run(data_dir: str | os.PathLike[str], config: StageBenchConfig | None = None
         object_paths = {f"/{DATASET}/{p.name}" for p in paths}
         fs = fsspec.filesystem("http")
         fs.cat_file(urls[0])  # untimed: starts fsspec's event loop and an HTTP session
-        listing = list_dataset(url).to_json()
+        listing = list_dataset(url)
 
         def fastload(dest: Path) -> None:
             result = warm(url, cache_dir=str(dest), jobs=config.jobs, progress=False)
@@ -186,9 +186,7 @@ def run(data_dir: str | os.PathLike[str], config: StageBenchConfig | None = None
                 raise RuntimeError(f"{FASTLOAD} fetched {result.fetched} of {config.objects}")
 
         def place_listing(dest: Path) -> None:
-            path = manifest_path(dest, url)
-            path.parent.mkdir(parents=True)
-            path.write_text(listing)
+            listing.save(manifest_path(dest, url))
 
         def fs_get(dest: Path) -> None:
             fs.get(urls, f"{dest}/")

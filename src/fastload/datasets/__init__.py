@@ -7,12 +7,21 @@ decided (``dataset.format``, ``dataset.format_reason``, and a log line).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from fastload.cache import Policy
 from fastload.datasets.base import DatasetError, ShardedDataset
-from fastload.datasets.folder import IMAGE_EXTENSIONS, FileDataset, ImageFolderDataset
+from fastload.datasets.columns import ends_with, key_tails, slashes
+from fastload.datasets.folder import (
+    IMAGE_EXTENSIONS,
+    FileDataset,
+    ImageFolderDataset,
+    with_extension,
+)
+from fastload.manifest import Manifest, RemoteObject
 from fastload.stage import FetchConfig
 from fastload.store import CachedStore, StoreConfig
 
@@ -37,18 +46,33 @@ def _opener(fmt: str) -> Callable[..., ShardedDataset]:
     raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
-def detect_format(keys: list[str]) -> tuple[str, str]:
-    """(format, why) from the keys of a listing."""
-    names = [k.rsplit("/", 1)[-1] for k in keys]
+def detect_format(keys: Sequence[str] | Manifest) -> tuple[str, str]:
+    """(format, why) from the keys of a listing (or the listing itself)."""
+    manifest = keys if isinstance(keys, Manifest) else Manifest("", _objects(keys))
+    found = manifest.derived(
+        "format", lambda: dict(zip(("format", "reason"), _detect(manifest), strict=True))
+    )
+    return str(found["format"]), str(found["reason"])
+
+
+def _detect(manifest: Manifest) -> tuple[str, str]:
+    tails = key_tails(manifest)
+    first, _ = slashes(manifest)
+    meta = np.flatnonzero(ends_with(tails, [b".zarray", b".zgroup", b"arr.json"]))
+    names = (manifest.key(int(i)).rsplit("/", 1)[-1] for i in meta)
     if any(n in (".zarray", ".zgroup", "zarr.json") for n in names):
         return "zarr", "the listing holds Zarr metadata (.zarray/.zgroup/zarr.json)"
-    tars = [k for k in keys if k.endswith(".tar")]
-    if tars and len(tars) * 2 >= len(keys):
-        return "tar", f"{len(tars)} of {len(keys)} objects are .tar shards"
-    images = [k for k in keys if k.lower().endswith(IMAGE_EXTENSIONS)]
-    if images and all("/" in k for k in images):
+    tars = int(ends_with(tails, [b".tar"]).sum())
+    if tars and tars * 2 >= len(manifest):
+        return "tar", f"{tars} of {len(manifest)} objects are .tar shards"
+    images = with_extension(manifest, IMAGE_EXTENSIONS)
+    if images.any() and (first[images] >= 0).all():
         return "imagefolder", "images sit in class folders one level or more below the root"
     return "files", "no Zarr metadata, tar shards or class folders of images"
+
+
+def _objects(keys: Iterable[str]) -> list[RemoteObject]:
+    return [RemoteObject(k, None, None) for k in keys]
 
 
 def open_dataset(
@@ -85,7 +109,7 @@ def open_dataset(
     )
     reason = "asked for"
     if format == "auto":
-        format, reason = detect_format(store.object_keys())
+        format, reason = detect_format(store.manifest)
         log.info("fastload: %s opened as format=%r: %s", store.url, format, reason)
     dataset = _opener(format)(store, **format_options)
     dataset.format_reason = reason

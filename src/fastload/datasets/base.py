@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from fastload.errors import FastloadError
 from fastload.store import CachedStore
@@ -32,23 +32,26 @@ class ShardedDataset:
     def __init__(
         self,
         store: CachedStore,
-        shard_sizes: Sequence[int],
+        shard_sizes: Sequence[int] | npt.NDArray[np.int64],
         shard_keys: Sequence[Sequence[str]],
     ) -> None:
         if len(shard_sizes) != len(shard_keys):
             raise ValueError("one list of keys per shard")
-        if sum(shard_sizes) == 0:
+        # A list, or an array where a list of one int per sample would cost too much.
+        self.shard_sizes: Sequence[int] | npt.NDArray[np.int64] = (
+            shard_sizes if isinstance(shard_sizes, np.ndarray) else [int(n) for n in shard_sizes]
+        )
+        if not np.sum(self.shard_sizes):
             raise DatasetError(f"{store.url} holds no samples")
         self.store = store
-        self.shard_sizes = [int(n) for n in shard_sizes]
-        self.shard_keys = [list(k) for k in shard_keys]
+        self.shard_keys = shard_keys
         self.shard_offsets = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
 
     def __len__(self) -> int:
         return int(self.shard_offsets[-1])
 
     def shard_of(self, index: int) -> int:
-        return bisect.bisect_right(self.shard_offsets, index) - 1
+        return int(np.searchsorted(self.shard_offsets, index, side="right")) - 1
 
     def _check(self, index: int) -> int:
         n = len(self)

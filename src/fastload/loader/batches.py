@@ -202,7 +202,7 @@ class BatchBuilder:
         with self._needed_lock:
             self._needed.clear()
 
-    def _note_needed(self, shard_keys: Iterable[list[str]]) -> None:
+    def _note_needed(self, shard_keys: Iterable[Sequence[str]]) -> None:
         """Counts each object a pass reads once: hits are these minus what was fetched."""
         with self._needed_lock:
             before = len(self._needed)
