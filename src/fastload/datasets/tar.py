@@ -65,14 +65,13 @@ import numpy as np
 import numpy.typing as npt
 
 from fastload.datasets.base import DatasetError, Range, ShardedDataset
-from fastload.errors import FastloadError, RemoteAccessError
+from fastload.errors import RemoteAccessError
 from fastload.remote import (
     classify,
     clean_cause,
     is_http,
     open_filesystem,
     path_of,
-    public_url,
     remote_url,
     with_retries,
 )
@@ -866,7 +865,11 @@ def write_index(
         if to == "dataset" and why:
             raise DatasetError(f"cannot write an index next to the shards of {store.url}: {why}")
         objects = [store.object(k) for k in keys]
-        members = _stream_members(store, fs, root, keys, jobs, progress)
+        where = [path_of(fs, root, k) for k in keys]
+        urls = [store.object_url(k) for k in keys]
+        members = _stream_members(
+            fs, list(zip(where, urls, [o.size for o in objects], strict=True)), jobs, progress
+        )
         if not why:
             data = IndexFile.encode(
                 (k, o.size, o.version, m) for k, o, m in zip(keys, objects, members, strict=True)
@@ -909,44 +912,38 @@ def write_index(
 
 
 def _stream_members(
-    store: CachedStore,
     fs: Any,
-    root: str,
-    keys: list[str],
+    shards: list[tuple[str, str, int | None]],
     jobs: int,
     progress: bool | Callable[[_Counts], None] | None,
 ) -> list[list[Member]]:
+    """The members of each (path, URL, size) shard, ``jobs`` shards streamed at a time."""
     from fastload.warm import ProgressBar
 
     callback = progress if callable(progress) else None
     if progress is None or progress is True:
-        callback = ProgressBar(len(keys), sum(store.object(k).size or 0 for k in keys))
+        callback = ProgressBar(len(shards), sum(size or 0 for _, _, size in shards))
     counts = _Counts()
-    found: dict[str, list[Member]] = {}
+    found: list[list[Member]] = [[] for _ in shards]
     with ThreadPoolExecutor(jobs, thread_name_prefix="fastload-tar-index") as pool:
-        futures = {
-            pool.submit(
-                _stream_scan, fs, path_of(fs, root, k), store.object_url(k), store.object(k).size
-            ): k
-            for k in keys
-        }
+        futures = {pool.submit(_stream_scan, fs, *shard): i for i, shard in enumerate(shards)}
         try:
             for future in as_completed(futures):
-                key = futures[future]
-                found[key] = future.result()
+                i = futures[future]
+                found[i] = future.result()
                 counts.objects_done += 1
-                counts.bytes_done += store.object(key).size or 0
+                counts.bytes_done += shards[i][2] or 0
                 counts.fetched_bytes = counts.bytes_done
                 if callback is not None:
                     callback(counts)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
-    return [found[k] for k in keys]
+    return found
 
 
 def _stream_scan(fs: Any, path: str, url: str, size: int | None) -> list[Member]:
-    """The members of one shard, streamed from the remote in large reads (retried whole)."""
+    """The members of one shard, streamed in large reads (retried whole), not cached."""
 
     def scan() -> list[Member] | DatasetError:
         with fs.open(path, "rb", block_size=_SCAN_READ_BYTES, cache_type="readahead") as f:
@@ -984,8 +981,6 @@ def _write_beside(fs: Any, root: str, data: bytes) -> str:
             _write_atomically(Path(path), data)
         else:
             fs.pipe_file(path, data)  # one PUT: an object appears whole or not at all
-    except FastloadError:
-        raise
     except Exception as exc:
         if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise _NotWritable(f"{shown} is not writable ({exc.strerror})") from None
@@ -993,7 +988,7 @@ def _write_beside(fs: Any, root: str, data: bytes) -> str:
         if isinstance(error, RemoteAccessError):
             raise _NotWritable(f"writing {shown} was refused ({error.reason})") from None
         raise error from clean_cause(exc)
-    return public_url(shown)
+    return shown
 
 
 __all__ = [
