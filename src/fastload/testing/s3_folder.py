@@ -23,7 +23,7 @@ it returns. Files that tests write straight into ``root`` show up in the next li
 
 Synthetic buckets (``synthetic=``, or a spec file in ``root``: see
 :mod:`fastload.testing.synthetic`) hold objects computed from an index, never stored:
-ImageNet-sized image folders or 64 GB of tar shards at no disk cost. They are read-only
+ImageNet-sized image folders or 69 GB of tar shards at no disk cost. They are read-only
 (writes are answered ``403 AccessDenied``).
 
 Counting: ``stats()`` (every request by method and URL path, bytes sent in all; see
