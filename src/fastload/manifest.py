@@ -44,8 +44,10 @@ import numpy.typing as npt
 import xxhash
 
 from fastload.errors import RemoteError
+from fastload.listing import ENCODING as _ENCODING
+from fastload.listing import Listing
 from fastload.remote import is_http, key_of, open_filesystem, public_url, remote_url, with_retries
-from fastload.transport import Listing, transport_for
+from fastload.transport import transport_for
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,6 @@ _HEAD_CONCURRENCY = 64
 _HEAD_TIMEOUT_S = 60.0
 _MAGIC = b"FLMANIF1"
 _SUFFIX = ".flm"
-# Keys are stored UTF-8; surrogates (undecodable local names) pass through, in code point order.
-_ENCODING = ("utf-8", "surrogatepass")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,16 +93,11 @@ class Manifest:
     def __init__(
         self, url: str, objects: Iterable[RemoteObject] = (), listed_at: float = 0.0
     ) -> None:
-        found = {o.key: o for o in objects}  # one object per key, the last listed
-        keys = sorted(found)
-        self._init_columns(
-            url,
-            listed_at,
-            keys,
-            [found[k].size for k in keys],
-            [found[k].version for k in keys],
+        found = list(objects)
+        listing = Listing.of(
+            [o.key for o in found], [o.size for o in found], [o.version for o in found]
         )
-        self.path: Path | None = None
+        self._init_columns(url, listed_at, listing)
 
     @classmethod
     def from_columns(
@@ -115,44 +110,30 @@ class Manifest:
     ) -> Manifest:
         """From parallel columns; keys need not be sorted (they are sorted here, and a key
         listed twice keeps its last entry)."""
-        if any(a >= b for a, b in itertools.pairwise(keys)):  # listings usually come sorted
-            last = {k: i for i, k in enumerate(keys)}
-            order = sorted(last.values(), key=keys.__getitem__)
-            keys = [keys[i] for i in order]
-            sizes = [sizes[i] for i in order]
-            versions = [versions[i] for i in order]
+        return cls.of_listing(url, listed_at, Listing.of(keys, sizes, versions))
+
+    @classmethod
+    def of_listing(cls, url: str, listed_at: float, listing: Listing) -> Manifest:
         self = cls.__new__(cls)
-        self._init_columns(url, listed_at, keys, sizes, versions)
-        self.path = None
+        self._init_columns(url, listed_at, listing)
         return self
 
-    def _init_columns(
-        self,
-        url: str,
-        listed_at: float,
-        keys: Sequence[str],
-        sizes: Sequence[int | None],
-        versions: Sequence[str | None],
-    ) -> None:
+    def _init_columns(self, url: str, listed_at: float, listing: Listing) -> None:
         self.url = url
         self.listed_at = float(listed_at)
-        encoded = [k.encode(*_ENCODING) for k in keys]
-        self._key_offsets = _offsets(encoded)
-        self._key_blob: bytes | memoryview = b"".join(encoded)
-        self._sizes = np.array([-1 if s is None else s for s in sizes], dtype=np.int64)
-        present = [v is not None for v in versions]
-        encoded = [v.encode(*_ENCODING) if v is not None else b"" for v in versions]
-        self._version_offsets = _offsets(encoded)
-        self._version_blob: bytes | memoryview = b"".join(encoded)
-        self._version_present = np.array(present, dtype=np.uint8)
-        hashes = np.fromiter(
-            map(xxhash.xxh3_64_intdigest, (k.encode(*_ENCODING) for k in keys)),
-            np.uint64,
-            len(keys),
-        )
+        self._key_blob: bytes | memoryview = listing.key_blob
+        self._key_offsets = listing.key_offsets
+        self._sizes = listing.sizes
+        self._version_blob: bytes | memoryview = listing.version_blob
+        self._version_offsets = listing.version_offsets
+        self._version_present = listing.version_present
+        blob, offsets = listing.key_blob, listing.key_offsets.tolist()
+        keys = (blob[s:e] for s, e in itertools.pairwise(offsets))
+        hashes = np.fromiter(map(xxhash.xxh3_64_intdigest, keys), np.uint64, len(listing))
         self._hash_order = np.argsort(hashes, kind="stable").astype(np.int64)
         self._key_hashes = hashes[self._hash_order]
         self._total_bytes: int | None = None
+        self.path: Path | None = None
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -336,6 +317,8 @@ class Manifest:
             f.write(np.ascontiguousarray(self._version_present, dtype=np.uint8).tobytes())
             f.write(self._key_blob)
             f.write(self._version_blob)
+            f.flush()
+            os.fsync(f.fileno())  # whole on disk before it is renamed into place
         os.replace(tmp, path)
         self.path = path
 
@@ -437,12 +420,6 @@ class _Objects(Sequence[RemoteObject]):
         return (m.object_at(i) for i in range(len(m)))
 
 
-def _offsets(encoded: Sequence[bytes]) -> Int64s:
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)), out=offsets[1:])
-    return offsets
-
-
 # --- listing -----------------------------------------------------------------------------
 
 
@@ -506,12 +483,10 @@ def list_dataset(
     columns: Listing | None = None
     if not is_http(fs):
         columns = with_retries(lambda: transport.list_columns(root, counter), shown)
-    if columns is not None and len(columns.keys):
+    if columns is not None and len(columns):
         if counter is not None:
-            counter.done(len(columns.keys))
-        return Manifest.from_columns(
-            root_url, time.time(), columns.keys, columns.sizes, columns.versions
-        )
+            counter.done(len(columns))
+        return Manifest.of_listing(root_url, time.time(), columns)
 
     def listing() -> dict[str, dict[str, Any]]:
         if is_http(fs):

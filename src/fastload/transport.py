@@ -41,12 +41,12 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import fsspec
 import fsspec.asyn
 
+from fastload.listing import Listing, from_arrow
 from fastload.remote import HTTPResponseError, is_http, scrub
 
 Buffer = bytes | memoryview
@@ -67,16 +67,6 @@ class Transport(Protocol):
         object kept; None where this transport does not list (fsspec's find does then).
         ``progress`` is called with the number of objects of each page listed."""
         ...
-
-
-@dataclass
-class Listing:
-    """A listing's columns: keys below the root, sizes, version strings (the same strings
-    ``fastload.manifest`` makes of fsspec's entries, so nothing cached looks changed)."""
-
-    keys: list[str]
-    sizes: list[int]
-    versions: list[str | None]
 
 
 class FsspecTransport:
@@ -268,68 +258,77 @@ class ObjectStoreTransport(_ObstoreTransport):
 
         store = self._store(bucket)
         base = key.rstrip("/")
-        cut = len(base) + 1 if base else 0  # keys are relative to root
+        cut = len(base.encode()) + 1 if base else 0  # keys are relative to root
+        arrow = _has_arro3()
 
-        def level(prefix: str | None) -> tuple[list[str], Sequence[Any]]:
+        def level(prefix: str | None) -> tuple[list[str], Listing | None]:
             found = obstore.list_with_delimiter(store, prefix=prefix)
-            return sorted(found["common_prefixes"]), found["objects"]
+            # "a-b/" sorts before "a/": order folders as their keys sort
+            folders = sorted(found["common_prefixes"], key=lambda f: f + "/")
+            return folders, _entries(found["objects"], cut, progress)
 
-        def add(part: Listing, metas: Sequence[Any]) -> bool:
-            if progress is not None:
-                progress(len(metas))
-            return _add(part, metas, cut)
-
-        def whole(prefix: str) -> Listing | None:
-            part = Listing([], [], [])
-            for page in obstore.list(store, prefix=prefix, chunk_size=1000):
-                if not add(part, page):
-                    return None
-            return part
+        def whole(prefix: str, as_arrow: bool) -> Listing | None:
+            pages = []
+            for page in obstore.list(store, prefix=prefix, chunk_size=1000, return_arrow=as_arrow):
+                part = from_arrow(page, cut) if as_arrow else _entries(page, cut, progress)  # type: ignore[arg-type]
+                if part is None:  # a page Arrow cannot carry: the folder again, as dicts
+                    return whole(prefix, False) if as_arrow else None
+                if as_arrow and progress is not None:
+                    progress(len(part))
+                pages.append(part)
+            return Listing.joined(pages)
 
         try:
             folders, top = level(base or None)
-            listing = Listing([], [], [])
-            if not add(listing, top):
-                return None
+            parts = [top]
             while len(folders) == 1:  # root/train/<classes>: the classes are the split
                 folders, objects = level(folders[0])
-                if not add(listing, objects):
-                    return None
+                parts.append(objects)
             with ThreadPoolExecutor(min(_LIST_THREADS, max(1, len(folders)))) as pool:
-                parts = list(pool.map(whole, sorted(folders)))
+                parts += pool.map(lambda f: whole(f, arrow), folders)
         except Exception as exc:
             error = _translate(exc, self._fallback.timeout_s)
             if isinstance(error, (Declined, ConnectionError)):
                 self._declined.add(bucket)  # ConnectionError: a key object_store rejects
                 return None
             raise error from None
-        for part in parts:
-            if part is None:
-                return None
-            listing.keys += part.keys
-            listing.sizes += part.sizes
-            listing.versions += part.versions
-        return listing
+        if any(part is None for part in parts):
+            return None
+        return Listing.joined([p for p in parts if p is not None])
 
 
 # Folders of a bucket listed at once (each a chain of 1,000-key pages).
 _LIST_THREADS = 16
 
 
-def _add(listing: Listing, metas: Sequence[Any], cut: int) -> bool:
-    """Appends obstore's entries to listing; False at an entry only s3fs lists right (an
+def _entries(
+    metas: Sequence[Any], cut: int, progress: Callable[[int], None] | None
+) -> Listing | None:
+    """obstore's entries (dicts) as a listing; None at an entry only s3fs lists right (an
     empty object)."""
-    keys, sizes, versions = listing.keys, listing.sizes, listing.versions
+    if progress is not None:
+        progress(len(metas))
+    keys, sizes, versions = [], [], []
     for meta in metas:
         size = meta["size"]
         if size == 0:
-            return False
-        keys.append(meta["path"][cut:])
+            return None
+        keys.append(meta["path"].encode()[cut:].decode())
         sizes.append(size)
         etag = meta["e_tag"]
         # fastload.manifest's version of s3fs's entry {"ETag": ..., "LastModified": ...}
         version = f"LastModified={meta['last_modified']}"
         versions.append(f"ETag={etag};{version}"[:512] if etag else version[:512])
+    return Listing.of(keys, sizes, versions)
+
+
+@functools.cache
+def _has_arro3() -> bool:
+    """Whether obstore can answer listings as Arrow (it needs arro3-core, of the s3 extra)."""
+    try:
+        import arro3.core  # noqa: F401
+    except ImportError:
+        return False
     return True
 
 
