@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastload import decode
 from fastload.datasets import open_dataset
+from fastload.datasets.tar import write_index
 from fastload.errors import (
     FastloadError,
     InvalidDestinationError,
@@ -74,4 +75,5 @@ __all__ = [
     "native_status",
     "open_dataset",
     "warm",
+    "write_index",
 ]

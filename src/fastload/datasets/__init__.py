@@ -21,6 +21,7 @@ from fastload.datasets.folder import (
     ImageFolderDataset,
     with_extension,
 )
+from fastload.datasets.tar import INDEX_NAME, WIDS_INDEX_NAME
 from fastload.manifest import Manifest, RemoteObject
 from fastload.stage import FetchConfig
 from fastload.store import CachedStore, StoreConfig
@@ -63,7 +64,9 @@ def _detect(manifest: Manifest) -> tuple[str, str]:
     if any(n in (".zarray", ".zgroup", "zarr.json") for n in names):
         return "zarr", "the listing holds Zarr metadata (.zarray/.zgroup/zarr.json)"
     tars = int(ends_with(tails, [b".tar"]).sum())
-    if tars and tars * 2 >= len(manifest):
+    # A tar dataset's own index files beside its shards are not objects of another kind.
+    indexes = sum(manifest.index_of(name) >= 0 for name in (INDEX_NAME, WIDS_INDEX_NAME))
+    if tars and tars * 2 >= len(manifest) - indexes:
         return "tar", f"{tars} of {len(manifest)} objects are .tar shards"
     images = with_extension(manifest, IMAGE_EXTENSIONS)
     if images.any() and (first[images] >= 0).all():

@@ -7,7 +7,9 @@ their class folder ends) from the manifest's columns, a few array passes in all.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -78,6 +80,7 @@ class IndexRuns:
         breaks = np.flatnonzero(np.diff(order) != 1) + 1
         self.starts = order[np.concatenate([[0], breaks])] if len(order) else order[:0]
         self.offsets = np.concatenate([[0], breaks, [len(order)]]).astype(np.int64)
+        self._lists: tuple[list[int], list[int]] | None = None
 
     @classmethod
     def whole(cls, n: int) -> IndexRuns:
@@ -91,11 +94,22 @@ class IndexRuns:
         """From ``starts`` and ``offsets`` as another IndexRuns has them."""
         self = cls.__new__(cls)
         self.starts, self.offsets = starts.astype(np.int64), offsets.astype(np.int64)
+        self._lists = None
         return self
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
     def __getitem__(self, i: int) -> int:
-        run = int(np.searchsorted(self.offsets, i, side="right")) - 1
-        return int(self.starts[run]) + i - int(self.offsets[run])
+        # Per sample, under the GIL: Python lists (as many items as runs, not samples).
+        if self._lists is None:
+            self._lists = (self.starts.tolist(), self.offsets.tolist())
+        starts, offsets = self._lists
+        run = bisect.bisect_right(offsets, i) - 1 if len(starts) > 1 else 0
+        return starts[run] + i - offsets[run]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"starts": self.starts, "offsets": self.offsets}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.starts, self.offsets, self._lists = state["starts"], state["offsets"], None
