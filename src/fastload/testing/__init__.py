@@ -6,7 +6,10 @@ bucket) with little CPU per request, for benchmarks and most S3 tests; ``S3Serve
 moto's S3 (needs ``pip install "moto[server]"``, imported only when an ``S3Server`` is
 created), which spends milliseconds of CPU per request. All take the same knobs
 (``RemoteBehavior``), fault injection (``fail_next``/``truncate_next``/``reset_next``)
-and counters (``stats()``) from ``RemoteControls``.
+and counters (``stats()``) from ``RemoteControls``. ``S3FolderProcess`` runs an
+``S3FolderServer`` in a process of its own, also serving *synthetic* buckets
+(``fastload.testing.synthetic``: ImageNet-sized folders and tar shard sets computed from
+(key, seed), never stored), and counts what it answered (``read_stats()``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from fastload.testing.faults import (
 )
 from fastload.testing.http_server import RangeHTTPServer
 from fastload.testing.process import HTTPServerProcess
-from fastload.testing.s3_folder import S3FolderServer
+from fastload.testing.s3_folder import ReadStats, S3FolderProcess, S3FolderServer
 from fastload.testing.s3_server import S3Server
 
 __all__ = [
@@ -28,9 +31,11 @@ __all__ = [
     "FaultKind",
     "HTTPServerProcess",
     "RangeHTTPServer",
+    "ReadStats",
     "RemoteBehavior",
     "RemoteControls",
     "RequestStats",
+    "S3FolderProcess",
     "S3FolderServer",
     "S3Server",
 ]
