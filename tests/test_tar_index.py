@@ -514,3 +514,28 @@ def test_cli_refuses_writing_next_to_shards_over_http(tmp_path: Path) -> None:
         assert ok.returncode == 0, ok.stderr
         assert f"into {tmp_path / 'c' / 'indexes'}" in ok.stdout
         assert "HTTP servers take no uploads" in ok.stdout
+
+
+def test_a_first_batch_reads_large_indexed_shards_by_range(
+    tmp_path: Path, shards: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch needing a few samples of a large shard not cached yet reads their ranges,
+    not the shard: the first batch does not wait for whole 150 MB shards."""
+    import fastload as fl
+    from fastload.loader import batches
+
+    monkeypatch.setattr(batches, "RANGED_MIN_BYTES", 1)  # these shards count as large
+    with serve("s3", tmp_path, shards) as remote:
+        index_of(remote, tmp_path / "c")
+        ds = open_tar(remote, tmp_path / "fresh")
+        assert remote.server is not None
+        remote.server.reset_stats()
+        loader = fl.DataLoader(ds, batch_size=3, num_workers=1, collate_fn=list, lookahead_bytes=0)
+        first = next(iter(loader))
+        sent = remote.server.stats().bytes_sent
+        counts = loader.stats()["counts"]
+        loader.close()
+    expected = read_with_tarfile(shards)
+    assert first == [expected[i] for i in range(3)]
+    assert counts["range_reads"] >= 3  # and the batches read ahead meanwhile
+    assert sent < len(shards[sorted(shards)[0]])  # a few samples' ranges, not the shard

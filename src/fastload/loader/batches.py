@@ -12,9 +12,11 @@ folder without classes).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, overload
 
 import torch
@@ -33,6 +35,24 @@ from fastload.stage import StageResult
 # Tar fields taken as the image / the label when decoding (WebDataset's usual names).
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
 LABEL_FIELDS = ("cls", "label", "target", "class")
+
+
+# Objects at least this large that a batch reads a few samples of are read by range (see
+# BatchBuilder._by_range).
+RANGED_MIN_BYTES = 16 << 20
+_RANGE_THREADS = 16
+_range_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _range_pool() -> ThreadPoolExecutor:
+    """This process's threads for ranged reads (a forked child makes its own)."""
+    pool = _range_pools.get(os.getpid())
+    if pool is None:
+        pool = _range_pools.setdefault(
+            os.getpid(),
+            ThreadPoolExecutor(_RANGE_THREADS, thread_name_prefix="fastload-range"),
+        )
+    return pool
 
 
 def decodable(dataset: object) -> bool:
@@ -236,6 +256,8 @@ class BatchBuilder:
         missing = [
             key for key, path in paths.items() if path is None and not self._take(key, reads, held)
         ]
+        by_range = self._by_range(missing, reads, shard_samples)
+        missing = [key for key in missing if key not in by_range]
         if missing:  # not staged ahead (yet): fetch this batch's objects together
             wanted = {key: reads[key] for key in missing}
             self._record(store.stage(missing, self._hold_reads(wanted, shard_samples)))
@@ -245,6 +267,14 @@ class BatchBuilder:
                     self._take(key, reads, held)
         native = [rs is not None and all(paths[k] is not None for k, _, _ in rs) for rs in ranges]
         in_memory = [rs is not None and all(k in held for k, _, _ in rs) for rs in ranges]
+        ranged = [
+            rs is not None
+            and not native[i]
+            and not in_memory[i]
+            and all(k in by_range for k, _, _ in rs)
+            for i, rs in enumerate(ranges)
+        ]
+        fetched = self._read_ranges(ranges, ranged) if any(ranged) else {}
         parts: list[list[memoryview] | None] = [None] * len(indices)
         if any(native):
             try:
@@ -259,6 +289,10 @@ class BatchBuilder:
         for i, index in enumerate(indices):
             if native[i]:
                 samples.append(ds.assemble(index, parts[i] or [], copy=copy))
+            elif ranged[i]:
+                self.stats.count("range_reads")
+                rs = ranges[i] or []
+                samples.append(ds.assemble(index, [fetched[r] for r in rs], copy=copy))
             elif in_memory[i]:
                 self.stats.count("held_reads")
                 rs = ranges[i] or []
@@ -268,6 +302,34 @@ class BatchBuilder:
                 self.stats.count("cache_reads")
                 samples.append(ds[index])
         return samples
+
+    def _by_range(
+        self, missing: list[str], reads: dict[str, int], shard_samples: dict[str, int]
+    ) -> set[str]:
+        """The missing objects this batch reads by byte range rather than waiting for them
+        whole: large shards of which it needs a few samples (a 150 MB tar shard for one
+        sample would hold the batch for seconds). Their ranges are cached as entries of
+        their own; staging ahead still brings the shards whole for the batches after."""
+        if not missing:
+            return set()
+        store = self.dataset.store
+        objects = store.objects(missing)
+        return {
+            key
+            for key, obj in zip(missing, objects, strict=True)
+            if (obj.size or 0) >= RANGED_MIN_BYTES and 2 * reads[key] < shard_samples[key]
+        }
+
+    def _read_ranges(
+        self, ranges: list[list[Range] | None], ranged: list[bool]
+    ) -> dict[Range, bytes]:
+        """The bytes of the ranged samples' ranges, fetched concurrently."""
+        wanted = list(
+            dict.fromkeys(r for rs, ok in zip(ranges, ranged, strict=True) if ok for r in rs or ())
+        )
+        store = self.dataset.store
+        data = _range_pool().map(lambda r: store.read_range(*r), wanted)
+        return dict(zip(wanted, data, strict=True))
 
     def _take(self, key: str, reads: dict[str, int], held: dict[str, memoryview]) -> bool:
         """Takes key's bytes from the store's holding area for this batch's reads of it."""
