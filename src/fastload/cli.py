@@ -232,10 +232,12 @@ def _pending(command: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.components:
+    if args.components and args.scale:
+        raise UsageError("give --components or --scale, not both")
+    if args.components or args.scale:
         if args.url is not None:
-            raise UsageError("--components runs on generated data; leave out the URL")
-        return _bench_components(args)
+            raise UsageError("--components and --scale run on generated data; leave out the URL")
+        return _bench_scale(args) if args.scale else _bench_components(args)
     from fastload.bench import e2e_bench, e2e_report
 
     config = bench_config(args)
@@ -311,6 +313,19 @@ def _bench_components(args: argparse.Namespace) -> int:
         if report.name == "stage":
             print("\n".join(stage_bench.fastload_vs_peers(report)))
         print(f"wrote {report.write_json(out)}\n", flush=True)
+    return 0
+
+
+def _bench_scale(args: argparse.Namespace) -> int:
+    from fastload.bench import scale_bench
+
+    config = scale_bench.ScaleBenchConfig.quick() if args.quick else scale_bench.ScaleBenchConfig()
+    out = Path(args.out)
+    print(f"fastload {fastload.__version__} bench: opening a dataset at scale", flush=True)
+    report = scale_bench.run(out / "data" / "scale", config)
+    print(report.table())
+    print("\n".join(scale_bench.target_lines(report)))
+    print(f"wrote {report.write_json(out)}", flush=True)
     return 0
 
 
@@ -418,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--components",
         action="store_true",
         help="the component benchmarks instead (read, stage, cache policy, decode, loader)",
+    )
+    bench.add_argument(
+        "--scale",
+        action="store_true",
+        help="the scale benchmark instead: open, memory, pickled size and first batch of a "
+        "1.28 M-sample ImageFolder and 1,024 tar shards (--quick: 50,000 and 64)",
     )
     bench.set_defaults(run=_bench)
 
