@@ -2,7 +2,7 @@
 pickled size, first batch, listing requests; a tar set's node share; peers' index load (P11).
 
 Command (full size: 1,281,167 images in 1,000 class folders and 1,024 tar shards of 67 MB,
-synthetic buckets served over S3 with 20 ms per request; ~10 min on a 2-core VM)::
+synthetic buckets served over S3 with 20 ms per request; ~6 min on a 2-core VM)::
 
     .venv/bin/python benchmarks/benchmark_scale.py --out fastload-bench
 
