@@ -5,6 +5,7 @@ timing is asserted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from fastload.bench.runner import Measurement, Report
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, Path]:
     out = tmp_path_factory.mktemp("scale")
-    config = bench.ScaleBenchConfig.quick()
+    config = dataclasses.replace(bench.ScaleBenchConfig.quick(), fastload_index=True)
     return bench.run(out / "data", config), out
 
 
@@ -27,6 +28,8 @@ def _rows(report: Report, case_start: str) -> dict[str, Measurement]:
 
 
 def _one(rows: dict[str, Measurement], system_start: str) -> Measurement:
+    if system_start in rows:
+        return rows[system_start]
     found = [r for name, r in rows.items() if name.startswith(system_start)]
     assert len(found) == 1, f"{system_start!r} in {sorted(rows)}"
     return found[0]
@@ -83,7 +86,7 @@ def test_the_tar_case_reads_the_index_and_a_node_share_fetches_its_shards(
     cold = _one(rows, f"{config.processes} processes open at once, empty cache")
     assert cold.extra["list reqs"] == 1
     assert cold.extra["GETs"] == 1  # one process read the index for the node
-    assert _one(rows, bench.FIRST_BATCH).items == config.batch_size
+    assert _one(rows, f"{bench.FIRST_BATCH} ({config.workers} threads)").items == config.batch_size
     figures = report.params["figures"]["tar"]
     # The node's share: exactly the planned shards' bytes, nothing else but index files.
     assert figures["share_bytes"] == figures["share_planned_bytes"] > 0
@@ -91,6 +94,13 @@ def test_the_tar_case_reads_the_index_and_a_node_share_fetches_its_shards(
     assert 0 < figures["share_shards"] < config.shards
     share = _one(rows, bench.NODE_SHARE)
     assert share.extra["shards"] == figures["share_shards"]
+    # fastload's own index, written into the cache: the open lists nothing and reads no
+    # shard (only shardindex.json, which the index's writer left uncached).
+    assert _one(rows, "fastload index").extra["GETs"] >= config.shards
+    flidx = _one(rows, f"{bench.CACHED_OPEN}, fastload's index")
+    assert flidx.extra["list reqs"] == 0
+    assert flidx.extra["GETs"] <= 1
+    assert _one(rows, f"{bench.FIRST_BATCH} ({config.workers} threads, fastload").items == 64
     for peer in bench.PEER_BUCKETS:
         row = _one(rows, f"{peer} index load")
         if not row.note.startswith(("skipped", "failed")):

@@ -39,6 +39,11 @@ Cases, on each bucket:
   planned shards' bytes and the whole dataset's.
 * **plan one epoch**: rank 0 of ``world_size``, the plan built each time, over the opened
   dataset's shards, beside ``torch.utils.data.DistributedSampler``.
+* **fastload's own index** (tar; with ``fastload_index``, ``--fastload-index``): ``fl.write_index``
+  into the cache (the bucket is read-only; every shard is read once), then a fresh
+  process's open and first batch with it (a batch reads a large shard it needs few samples
+  of by byte range; with wids' ``shardindex.json`` the shard's members are read from it,
+  so it is staged whole first).
 * **peers' index load** (tar case, same sample count): mosaicml-streaming's
   ``StreamingDataset`` and litdata's ``StreamingDataset`` over an ``index.json`` of
   ``shards`` shards / chunks of ``shard_samples`` samples each, made from the index their
@@ -121,6 +126,9 @@ class ScaleBenchConfig:
     workers: int = 2
     repeats: int = 3  # cached opens and plans; a first open runs once
     peers: bool = True
+    # Also write fastload's own index of the tar shards (``fl.write_index``: reads every
+    # shard once, ~4 min at full size) and open and take a first batch with it.
+    fastload_index: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -848,16 +856,23 @@ def _node_cases(
 
 
 def _first_batch_case(
-    case: _Case, server: Any, bucket: str, cache: Path, config: ScaleBenchConfig
+    case: _Case,
+    server: Any,
+    bucket: str,
+    cache: Path,
+    config: ScaleBenchConfig,
+    *,
+    label: str = "",
+    figure: str = "first_batch_s",
 ) -> None:
     """A fresh process, manifest cached, objects not: open, then the first batch."""
     run = _run_children(server, [_spec(server, bucket, cache, config, loader=True)])
     result = run.results[0]
     if result["batch_samples"] != config.batch_size:
         raise RuntimeError(f"{bucket}: a first batch of {result['batch_samples']} samples")
-    case.figures["first_batch_s"] = result["first_batch_s"]
+    case.figures[figure] = result["first_batch_s"]
     case.add(
-        f"{FIRST_BATCH} ({config.workers} threads)",
+        f"{FIRST_BATCH} ({config.workers} threads{label and ', ' + label})",
         [result["first_batch_s"]],
         items=config.batch_size,
         cpu_us=None,
@@ -930,6 +945,59 @@ def _node_share_case(
         ),
     )
     shutil.rmtree(cache, ignore_errors=True)  # the shards: GBs at full size
+
+
+def _fastload_index_cases(
+    case: _Case, server: Any, scratch: _Scratch, config: ScaleBenchConfig
+) -> None:
+    """``fl.write_index`` into a fresh cache (the bucket is read-only: a file per shard),
+    then a fresh process's open and first batch with that index."""
+    import fastload as fl
+
+    cache = scratch.fresh(f"{TAR_BUCKET}-flidx")
+    stats0, server0 = server.read_stats(), cpu_seconds([server.pid()])
+    start, cpu = time.perf_counter(), _cpu_s()
+    report = fl.write_index(
+        f"s3://{TAR_BUCKET}",
+        cache_dir=str(cache),
+        storage_options=server.storage_options,
+        to="cache",
+        progress=False,
+    )
+    seconds, cpu_s = time.perf_counter() - start, _cpu_s() - cpu
+    stats1, server1 = server.read_stats(), cpu_seconds([server.pid()])
+    read = sum(stats1.body_bytes.values()) - sum(stats0.body_bytes.values())
+    case.add(
+        "fastload index (each shard read once; indexes into the cache)",
+        [seconds],
+        cpu_us=1e6 * cpu_s / case.samples,
+        server_cpu_s=sum(server1.values()) - sum(server0.values()),
+        gets=stats1.count("GetObject") - stats0.count("GetObject"),
+        mb_fetched=read / 1e6,
+        note=f"{report.shard_bytes / seconds / 1e6:,.0f} MB/s; CPU per sample",
+    )
+    run = _run_children(server, [_spec(server, TAR_BUCKET, cache, config)])
+    result = run.results[0]
+    case.figures["cached_open_s_flidx"] = result["seconds"]
+    case.add(
+        f"{CACHED_OPEN}, fastload's index",
+        [result["seconds"]],
+        cpu_us=1e6 * result["cpu_s"] / (config.shards + 1),
+        list_reqs=run.listings,
+        gets=run.gets,
+        uss=_uss_per_sample(result, run.ready[0]),
+        pickled_kb=result["pickled_bytes"] / 1e3,
+    )
+    _first_batch_case(
+        case,
+        server,
+        TAR_BUCKET,
+        cache,
+        config,
+        label="fastload's index",
+        figure="first_batch_s_fastload_index",
+    )
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 def _peer_cases(
@@ -1069,6 +1137,18 @@ def _targets(folder: _Case, tar: _Case, config: ScaleBenchConfig) -> list[dict[s
         ("tar pickled bytes", t.get("pickled_bytes"), TARGET_PICKLED_BYTES, "<="),
         ("tar first batch s after open", t.get("first_batch_s"), TARGET_FIRST_BATCH_S, "<="),
         ("tar plan s per rank-epoch", t.get("plan_s"), TARGET_PLAN_S, "<="),
+        *(
+            [
+                (
+                    "tar first batch s after open, fastload's index",
+                    t.get("first_batch_s_fastload_index"),
+                    TARGET_FIRST_BATCH_S,
+                    "<=",
+                )
+            ]
+            if config.fastload_index
+            else []
+        ),
         (
             f"tar node share: fraction of shard bytes fetched (1/{config.node_share})",
             t.get("share_fraction"),
@@ -1149,6 +1229,8 @@ def run(data_dir: str | os.PathLike[str], config: ScaleBenchConfig | None = None
         _first_batch_case(tar, server, TAR_BUCKET, cache, config)
         _node_share_case(tar, server, scratch, config, tar_layout)
         _plan_rows(tar, _shard_sizes(server, TAR_BUCKET, cache), config)
+        if config.fastload_index:
+            _fastload_index_cases(tar, server, scratch, config)
         if config.peers:
             _peer_cases(tar, server, scratch, config, python, skipped)
     shutil.rmtree(scratch.root, ignore_errors=True)
