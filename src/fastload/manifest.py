@@ -24,6 +24,7 @@ blob.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import fcntl
 import hashlib
 import itertools
@@ -610,7 +611,19 @@ def load_manifest(
             url, storage_options, progress=sys.stderr.isatty() if progress is None else progress
         )
         listed.save(path)
+    del listed
+    _return_freed_heap()  # the listing's columns are in the file now
     return Manifest.load(path)
+
+
+def _return_freed_heap() -> None:
+    """Gives the heap the listing used back to the system (glibc keeps freed memory for
+    reuse: ~140 MB after listing 1.28 M objects, private to the process that listed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc
+    libc.malloc_trim(0)
 
 
 class _ListingLock:
