@@ -418,8 +418,13 @@ class IndexFile:
     """A fastload tar index (the format is in the module docstring): the header is parsed
     now, a shard's section when its members are asked for. ``ValueError`` if malformed."""
 
-    def __init__(self, data: bytes, source: str) -> None:
+    def __init__(
+        self, data: bytes, source: str, *, reread: Path | tuple[CachedStore, str] | None = None
+    ) -> None:
         self.source = source
+        # Where a worker reads the bytes again (a cached file; the dataset's object through
+        # its cache): a pickled dataset then carries the header, not every shard's members.
+        self._reread = reread
         if data[:8] != _MAGIC or len(data) < 16:
             raise ValueError("it does not start like a fastload index")
         (header_bytes,) = struct.unpack_from("<Q", data, 8)
@@ -440,7 +445,26 @@ class IndexFile:
         }
         if any(self._sections + e.at + e.length > len(data) for e in self.entries.values()):
             raise ValueError("it is cut short")
-        self._data = data
+        self._data: bytes | None = data
+        self._length = len(data)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._reread is not None:
+            state["_data"] = None
+        return state
+
+    def _bytes(self) -> bytes:
+        if self._data is None:
+            assert self._reread is not None
+            where = self._reread
+            data = where.read_bytes() if isinstance(where, Path) else where[0].read(where[1])
+            if len(data) != self._length:
+                raise DatasetError(
+                    f"{self.source} changed since the dataset was opened; open it again"
+                )
+            self._data = data
+        return self._data
 
     def current(self, name: str, size: int | None, version: str | None) -> _Entry | None:
         """name's entry if the index has one for that size and version of the shard."""
@@ -454,7 +478,7 @@ class IndexFile:
         at = self._sections + entry.at
         m = entry.members
         try:
-            raw = zlib.decompress(self._data[at : at + entry.length])
+            raw = zlib.decompress(self._bytes()[at : at + entry.length])
             gaps = np.frombuffer(raw, "<i8", m, 0)
             sizes = np.frombuffer(raw, "<i8", m, 8 * m)
             ends = np.frombuffer(raw, "<u4", m, 16 * m).astype(np.int64)
@@ -568,7 +592,7 @@ def _promised_shards(store: CachedStore, shard_keys: list[str]) -> dict[str, _Pr
 def _dataset_index(store: CachedStore) -> IndexFile:
     source = store.object_url(INDEX_NAME)
     try:
-        return IndexFile(store.read(INDEX_NAME), source)
+        return IndexFile(store.read(INDEX_NAME), source, reread=(store, INDEX_NAME))
     except (ValueError, KeyError, TypeError) as exc:
         raise DatasetError(
             f"{source} is not a readable fastload index ({exc}); run `fastload index "
@@ -580,7 +604,7 @@ def _cached_index(store: CachedStore, key: str) -> IndexFile | None:
     """The cache's index of shard key, or None when missing, unreadable or implausible."""
     path = index_path(store, key)
     try:
-        index = IndexFile(path.read_bytes(), str(path))
+        index = IndexFile(path.read_bytes(), str(path), reread=path)
         obj = store.object(key)
         if index.current(store.object_url(key), obj.size, obj.version) is None:
             raise ValueError("it is for another shard")
