@@ -101,19 +101,6 @@ class Manifest:
         self._init_columns(url, listed_at, listing)
 
     @classmethod
-    def from_columns(
-        cls,
-        url: str,
-        listed_at: float,
-        keys: Sequence[str],
-        sizes: Sequence[int | None],
-        versions: Sequence[str | None],
-    ) -> Manifest:
-        """From parallel columns; keys need not be sorted (they are sorted here, and a key
-        listed twice keeps its last entry)."""
-        return cls.of_listing(url, listed_at, Listing.of(keys, sizes, versions))
-
-    @classmethod
     def of_listing(cls, url: str, listed_at: float, listing: Listing) -> Manifest:
         self = cls.__new__(cls)
         self._init_columns(url, listed_at, listing)
@@ -240,11 +227,6 @@ class Manifest:
 
     def __iter__(self) -> Iterator[RemoteObject]:
         return iter(self.objects)
-
-    @property
-    def sizes(self) -> Int64s:
-        """Every object's size in key order (-1 where the backend gave none); read-only."""
-        return self._sizes
 
     @property
     def key_blob(self) -> bytes | memoryview:
@@ -390,12 +372,8 @@ class Manifest:
     def from_json(cls, text: str) -> Manifest:
         """A manifest saved as JSON (fastload before the columnar format)."""
         data = json.loads(text)
-        keys, sizes, versions = (
-            (list(c) for c in zip(*data["objects"], strict=True))
-            if data["objects"]
-            else ([], [], [])
-        )
-        return cls.from_columns(data["url"], float(data["listed_at"]), keys, sizes, versions)
+        objects = [RemoteObject(k, s, v) for k, s, v in data["objects"]]
+        return cls(data["url"], objects, float(data["listed_at"]))
 
 
 class _Objects(Sequence[RemoteObject]):
