@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 Int64s = npt.NDArray[np.int64]
 Bytes = npt.NDArray[np.uint8]
+_MOST_PIECES = 10_000
 # Keys are stored UTF-8; surrogates (undecodable local names) pass through, in code point order.
 ENCODING = ("utf-8", "surrogatepass")
 
@@ -43,6 +44,24 @@ class Listing:
 
     def key(self, i: int) -> bytes:
         return self.key_blob[self.key_offsets[i] : self.key_offsets[i + 1]]
+
+    def pieces(self) -> list[Listing]:
+        """One listing per object, or this one whole when it has many (a folder of files
+        beside a few folders: merged a key at a time instead, see :meth:`joined`)."""
+        if len(self) > _MOST_PIECES:
+            return [self]
+        return [self._slice(i) for i in range(len(self))]
+
+    def _slice(self, i: int) -> Listing:
+        k, v = self.key_offsets, self.version_offsets
+        return Listing(
+            self.key_blob[k[i] : k[i + 1]],
+            np.array([0, k[i + 1] - k[i]], dtype=np.int64),
+            self.sizes[i : i + 1],
+            self.version_blob[v[i] : v[i + 1]],
+            np.array([0, v[i + 1] - v[i]], dtype=np.int64),
+            self.version_present[i : i + 1],
+        )
 
     @classmethod
     def of(

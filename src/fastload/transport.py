@@ -261,11 +261,14 @@ class ObjectStoreTransport(_ObstoreTransport):
         cut = len(base.encode()) + 1 if base else 0  # keys are relative to root
         arrow = _has_arro3()
 
-        def level(prefix: str | None) -> tuple[list[str], Listing | None]:
+        def level(prefix: str | None) -> tuple[list[str], list[Listing] | None]:
             found = obstore.list_with_delimiter(store, prefix=prefix)
             # "a-b/" sorts before "a/": order folders as their keys sort
             folders = sorted(found["common_prefixes"], key=lambda f: f + "/")
-            return folders, _entries(found["objects"], cut, progress)
+            # Objects beside folders sort between them ("a.txt" between "a-b/" and "a/"):
+            # a part each, so that the parts still follow one another in key order.
+            loose = _entries(found["objects"], cut, progress)
+            return folders, loose if loose is None else loose.pieces()
 
         def whole(prefix: str, as_arrow: bool) -> Listing | None:
             pages = []
@@ -280,12 +283,15 @@ class ObjectStoreTransport(_ObstoreTransport):
 
         try:
             folders, top = level(base or None)
-            parts = [top]
+            loose = [top]
             while len(folders) == 1:  # root/train/<classes>: the classes are the split
                 folders, objects = level(folders[0])
-                parts.append(objects)
+                loose.append(objects)
             with ThreadPoolExecutor(min(_LIST_THREADS, max(1, len(folders)))) as pool:
-                parts += pool.map(lambda f: whole(f, arrow), folders)
+                parts: list[Listing | None] = list(pool.map(lambda f: whole(f, arrow), folders))
+            if any(pieces is None for pieces in loose):
+                return None
+            parts += [piece for pieces in loose if pieces is not None for piece in pieces]
         except Exception as exc:
             error = _translate(exc, self._fallback.timeout_s)
             if isinstance(error, (Declined, ConnectionError)):
