@@ -17,7 +17,7 @@ from conftest import Remote
 
 from fastload.datasets import DatasetError, open_dataset
 from fastload.datasets.tar import TarDataset, split_name
-from fastload.testing import RangeHTTPServer, S3Server
+from fastload.testing import RangeHTTPServer, S3FolderServer, S3Server
 
 # A member: (name, bytes), or a TarInfo made by the test (links, devices, directories).
 Member = tuple[str, bytes] | tarfile.TarInfo
@@ -74,8 +74,11 @@ def read_with_tarfile(shards: dict[str, bytes]) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def serve(kind: str, base: Path, objects: dict[str, bytes]) -> Iterator[Remote]:
-    """objects written under base/source/ds and served as a local path, over HTTP or S3."""
+def serve(
+    kind: str, base: Path, objects: dict[str, bytes], *, s3_folder: bool = False
+) -> Iterator[Remote]:
+    """objects written under base/source/ds and served as a local path, over HTTP or S3
+    (moto, or with ``s3_folder`` an S3FolderServer holding copies of the files)."""
     source = base / "source"
     for key, data in objects.items():
         (source / "ds" / key).parent.mkdir(parents=True, exist_ok=True)
@@ -86,8 +89,11 @@ def serve(kind: str, base: Path, objects: dict[str, bytes]) -> Iterator[Remote]:
         with RangeHTTPServer(source) as server:
             yield Remote(kind, server.url_for("ds"), {}, server, objects, source, "/ds")
     else:
-        with S3Server() as server:
-            server.upload_dir(source / "ds", "data", prefix="ds")
+        with S3FolderServer(base / "buckets") if s3_folder else S3Server() as server:
+            if isinstance(server, S3FolderServer):  # copies: writes must not reach the source
+                server.upload_dir(source / "ds", "data", prefix="ds", hard_link=False)
+            else:
+                server.upload_dir(source / "ds", "data", prefix="ds")
             yield Remote(
                 kind, "s3://data/ds", server.storage_options, server, objects, source, "/data/ds"
             )

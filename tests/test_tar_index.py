@@ -16,13 +16,13 @@ import struct
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import Remote
 from test_dataset_tar import read_with_tarfile, tar_bytes, webdataset_shards
+from test_dataset_tar import serve as serve_dataset
 
 from fastload import ShardedSampler
 from fastload.datasets import DatasetError, open_dataset
@@ -36,30 +36,18 @@ from fastload.datasets.tar import (
     write_index,
 )
 from fastload.store import CachedStore, StoreConfig
-from fastload.testing import RangeHTTPServer, S3FolderServer
+from fastload.testing import S3FolderServer
 from fastload.warm import NodeShare, warm
 
 FASTLOAD = str(Path(sys.executable).parent / "fastload")
 
 
-@contextlib.contextmanager
-def serve(kind: str, base: Path, objects: dict[str, bytes]) -> Iterator[Remote]:
-    """objects under base/source/ds, as a local folder, over HTTP or over S3 (a folder)."""
-    source = base / "source"
-    for key, data in objects.items():
-        (source / "ds" / key).parent.mkdir(parents=True, exist_ok=True)
-        (source / "ds" / key).write_bytes(data)
-    if kind == "local":
-        yield Remote(kind, str(source / "ds"), {}, None, objects, source)
-    elif kind == "http":
-        with RangeHTTPServer(source) as server:
-            yield Remote(kind, server.url_for("ds"), {}, server, objects, source, "/ds")
-    else:
-        with S3FolderServer(base / "buckets") as server:
-            server.upload_dir(source / "ds", "data", prefix="ds", hard_link=False)
-            yield Remote(
-                kind, "s3://data/ds", server.storage_options, server, objects, source, "/data/ds"
-            )
+def serve(
+    kind: str, base: Path, objects: dict[str, bytes]
+) -> contextlib.AbstractContextManager[Remote]:
+    """objects as a local folder, over HTTP or over S3 (a folder: an index can be written
+    next to the shards)."""
+    return serve_dataset(kind, base, objects, s3_folder=True)
 
 
 def open_tar(remote: Remote, cache: Path, **options: Any) -> TarDataset:
