@@ -3,6 +3,7 @@ makes it (parallel, Arrow, once per node), and the folder datasets built on it."
 
 from __future__ import annotations
 
+import datetime
 import json
 import multiprocessing
 import os
@@ -364,3 +365,42 @@ def test_pickles_of_the_folder_datasets_do_not_grow_with_the_samples(tmp_path: P
     assert len(ds) == 50_000
     assert len(pickle.dumps(ds)) < 20_000
     assert os.path.exists(path)
+
+
+@pytest.mark.parametrize("etags", [['"a"', '"bb"', '"ccc"'], ['"aa"', '"bb"', '"cc"']])
+def test_an_arrow_page_gives_the_versions_a_key_at_a_time_would(etags: list[str]) -> None:
+    arro3 = pytest.importorskip("arro3.core")
+    from fastload.listing import from_arrow
+
+    seconds = [1_767_225_600, 1_767_225_601, 1_767_225_600]
+    page = arro3.RecordBatch.from_pydict(
+        {
+            "path": arro3.Array(["ds/a b", "ds/ü/x", "ds/z"], arro3.DataType.string()),
+            "last_modified": arro3.Array(
+                [s * 1_000_000 for s in seconds], arro3.DataType.int64()
+            ).cast(arro3.DataType.timestamp("us", tz="UTC")),
+            "size": arro3.Array([1, 2, 3], arro3.DataType.uint64()),
+            "e_tag": arro3.Array(etags, arro3.DataType.string()),
+        }
+    )
+    listed = from_arrow(page, len(b"ds/"))
+    assert listed is not None
+    manifest = Manifest.of_listing("s3://b/ds", 0.0, listed)
+    expected = [
+        transport._entries(  # the per-entry path, from obstore's dicts
+            [
+                {
+                    "path": p,
+                    "size": n,
+                    "e_tag": e,
+                    "last_modified": datetime.datetime.fromtimestamp(s, datetime.UTC),
+                }
+            ],
+            len(b"ds/"),
+            None,
+        )
+        for p, n, e, s in zip(["ds/a b", "ds/ü/x", "ds/z"], [1, 2, 3], etags, seconds, strict=True)
+    ]
+    assert columns(manifest) == [
+        o for one in expected if one is not None for o in columns(Manifest.of_listing("", 0, one))
+    ]

@@ -232,6 +232,19 @@ def from_arrow(batch: Any, cut: int) -> Listing | None:
     if (etag_lengths > _LONGEST_ETAG).any() or not etag_lengths.all():
         return None
     tail = _modified_tails(micros // 1_000_000)
+    if (etag_lengths == etag_lengths[0]).all():  # S3's quoted MD5s: rows of one width
+        rows = np.concatenate(
+            [np.broadcast_to(_ETAG, (n, len(_ETAG))), etag_bytes.reshape(n, -1), tail], axis=1
+        )
+        width = rows.shape[1]
+        return Listing(
+            key_bytes.tobytes(),
+            key_offsets,
+            sizes,
+            rows.tobytes(),
+            np.arange(0, width * (n + 1), width, dtype=np.int64),
+            np.ones(n, dtype=np.uint8),
+        )
     version_lengths = len(_ETAG) + etag_lengths + tail.shape[1]
     version_offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(version_lengths, out=version_offsets[1:])
