@@ -7,6 +7,7 @@ pickles to a few KB.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import posixpath
 from collections.abc import Iterator, Sequence
@@ -88,7 +89,7 @@ class FileDataset(ShardedDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         """What a worker needs: the per-sample arrays are remade there from the runs."""
-        derived = ("keys", "shard_sizes", "shard_keys", "shard_offsets")
+        derived = ("keys", "shard_sizes", "shard_keys", "shard_offsets", "targets")
         return {k: v for k, v in self.__dict__.items() if k not in derived}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -138,9 +139,10 @@ class ImageFolderDataset(FileDataset):
         self.class_offsets = layout["class_offsets"].astype(np.int64)
         super().__init__(store, IndexRuns.of_runs(layout["run_starts"], layout["run_offsets"]))
 
-    @property
+    @functools.cached_property
     def targets(self) -> Int64s:
-        """Each sample's class index (made on access: one integer per sample)."""
+        """Each sample's class index, as torchvision has it (made on first access, then
+        kept: one integer per sample, which a loader never needs; it uses :meth:`target`)."""
         return np.repeat(np.arange(len(self.classes)), np.diff(self.class_offsets))
 
     def target(self, index: int) -> int:
