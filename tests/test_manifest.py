@@ -215,7 +215,9 @@ def test_a_listing_under_a_single_folder_splits_on_the_folders_below_it(tmp_path
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"data")
         listed = list_dataset("s3://bkt", server.storage_options)
+        pages = server.read_stats().listings
     assert listed.keys() == ["train/c0/a.jpg", "train/c1/b.jpg", "train/c2/c.jpg", "train/x.txt"]
+    assert pages >= 2 + 3  # the root and train/ by delimiter, then each class (not train/ whole)
 
 
 def _open_in_child(url: str, cache_dir: str, options: dict[str, Any], out: Any) -> None:
