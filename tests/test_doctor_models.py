@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastload.doctor.models import MODELS, ModelStep, build, count_parameters
+from fastload.diagnosis.models import MODELS, ModelStep, build, count_parameters
 
 # torchvision's resnet18, resnet50, vit_b_16; timm's vit_small_patch16_224.
 EXPECTED_PARAMETERS = {

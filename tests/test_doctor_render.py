@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fastload.doctor import render
-from fastload.doctor.report import SCHEMA_VERSION, Applied, Fix, Phase, Report, Verdict
+from fastload.diagnosis import render
+from fastload.diagnosis.report import SCHEMA_VERSION, Applied, Fix, Phase, Report, Verdict
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

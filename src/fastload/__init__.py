@@ -29,6 +29,7 @@ from fastload.reader import (
 from fastload.warm import NodeShare, WarmReport, warm
 
 if TYPE_CHECKING:
+    from fastload.diagnosis.diagnose import doctor
     from fastload.loader import DataLoader
     from fastload.sampler import ShardedSampler
 
@@ -39,6 +40,10 @@ def __getattr__(name: str) -> Any:
         from fastload.sampler import ShardedSampler
 
         return ShardedSampler
+    if name == "doctor":
+        from fastload.diagnosis.diagnose import doctor
+
+        return doctor
     if name == "DataLoader":
         from fastload.loader import DataLoader
 
@@ -71,6 +76,7 @@ __all__ = [
     "__version__",
     "aligned_empty",
     "decode",
+    "doctor",
     "native_available",
     "native_status",
     "open_dataset",

@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from fastload.doctor.report import Fix, Phase, Report
+from fastload.diagnosis.report import Fix, Phase, Report
 
 WIDTH = 100
 PHASE_ORDER = ("ceiling", "prep", "train", "cold", "h2d")

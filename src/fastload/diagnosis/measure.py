@@ -1,0 +1,247 @@
+"""The measured phases of a diagnosis (the differential method of DS-Analyzer, VLDB'21).
+
+Each phase runs for a bounded time, whatever the step's length:
+
+- ``prep``: the loader alone from a warm cache, taking batches as fast as it makes them:
+  the most the loader delivers, and the CPU it takes per sample.
+- ``ceiling``: the step alone on one batch already made (on the device): the most the
+  step can take.
+- ``train``: the loader and the step together from a warm cache, as training runs.
+- ``cold``: the same from the remote into an empty cache (the first epoch of a job on a
+  fresh node), reading only the batches it measures.
+- ``h2d``: the host to device copy of a batch (on a GPU).
+
+A phase's rate comes from the batches after its first third (at least one): by then the
+prefetch queue is in its steady state (full when the loader is ahead, empty when behind),
+so a queue filled while the first batches were made does not flatter the loader.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from fastload.diagnosis.report import Phase
+from fastload.diagnosis.steps import Step
+
+# A phase measures at least this many batches (its budget may run over to reach them).
+MIN_BATCHES = 6
+# At most this many batches are queued up for a warm phase (it stops at its budget first).
+MAX_WARM_BATCHES = 400
+
+
+@dataclass
+class Timeline:
+    """When each batch of a phase arrived, and the process's CPU time then."""
+
+    arrivals: list[float]
+    cpu: list[float]
+    samples: list[int]
+    step_s: list[float]
+    waits: list[float]
+
+    def window(self) -> slice:
+        n = len(self.arrivals)
+        return slice(max(1, n // 3) if n > 1 else 0, n)
+
+    def rate(self) -> tuple[int, float, float]:
+        """(samples, seconds, cores) over the steady part: batches after the first third."""
+        n = len(self.arrivals)
+        if n < 2:
+            return (sum(self.samples), 0.0, 0.0)
+        first = self.window().start
+        seconds = self.arrivals[-1] - self.arrivals[first - 1]
+        samples = sum(self.samples[first:])
+        cpu = self.cpu[-1] - self.cpu[first - 1]
+        return samples, seconds, (cpu / seconds if seconds > 0 else 0.0)
+
+
+class PhaseProgress:
+    """One line on a terminal per phase, rewritten as it runs; silent elsewhere."""
+
+    def __init__(self, enabled: bool | None = None, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self._last = 0.0
+
+    def __call__(self, phase: str, elapsed: float, budget: float, batches: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or now - self._last < 0.1:
+            return
+        self._last = now
+        done = min(1.0, elapsed / budget) if budget > 0 else 1.0
+        bar = "#" * round(20 * done)
+        self.stream.write(f"\rdoctor: {phase:<8} [{bar:<20}] {elapsed:4.1f}s {batches:>5} batches")
+        self.stream.flush()
+
+    def done(self, phase: str, text: str) -> None:
+        if self.enabled:
+            self.stream.write(f"\rdoctor: {phase:<8} {text:<60}\n")
+            self.stream.flush()
+
+
+def repeated(indices: Sequence[int], batches: int, batch_size: int) -> list[int]:
+    """``indices`` over and over, up to ``batches`` batches: a warm phase that outlasts the
+    samples measured cold reads them again (they are all cached by then)."""
+    want = batches * batch_size
+    rounds = max(1, math.ceil(want / max(1, len(indices))))
+    return (list(indices) * rounds)[: max(want, len(indices))]
+
+
+def batch_samples(batch: Any) -> int:
+    from fastload.loader.dataloader import _batch_length
+
+    return _batch_length(batch, True)
+
+
+def run_loader(
+    name: str,
+    what: str,
+    loader: Any,
+    *,
+    step: Step | None,
+    budget_s: float,
+    progress: PhaseProgress,
+    keep_first: bool = False,
+) -> tuple[Phase, Any]:
+    """Iterates ``loader`` (running ``step`` after each batch) until ``budget_s`` has passed
+    and at least MIN_BATCHES arrived, or the loader ends. Returns the phase and, with
+    ``keep_first``, the first batch."""
+    timeline = Timeline([], [], [], [], [])
+    first: Any = None
+    start = time.perf_counter()
+    ready = start  # when the consumer asked for the next batch
+    iterator: Iterator[Any] = iter(loader)
+    try:
+        while True:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            now = time.perf_counter()
+            timeline.arrivals.append(now)
+            timeline.cpu.append(time.process_time())
+            timeline.samples.append(batch_samples(batch))
+            timeline.waits.append(now - ready)
+            if keep_first and first is None:
+                first = batch
+            if step is not None:
+                before = step.spent_s
+                step(batch)
+                timeline.step_s.append(step.spent_s - before)
+            ready = time.perf_counter()
+            elapsed = ready - start
+            progress(name, elapsed, budget_s, len(timeline.arrivals))
+            if elapsed >= budget_s and len(timeline.arrivals) >= MIN_BATCHES:
+                break
+            del batch
+    finally:
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()
+    stats = loader.stats()
+    phase = _phase(name, what, timeline, stats)
+    progress.done(name, f"{phase.samples_per_s:,.0f} samples/s over {phase.batches} batches")
+    return phase, first
+
+
+def _phase(name: str, what: str, timeline: Timeline, stats: dict[str, Any]) -> Phase:
+    samples, seconds, cores = timeline.rate()
+    window = timeline.window()
+    steps = timeline.step_s[window]
+    waits = timeline.waits[window]
+    made = max(1, int(stats.get("batches", 0)))  # batches the loader made, prefetched too
+    stage_s = {
+        stage: round(entry["seconds"] / made, 6)
+        for stage, entry in stats.get("stages", {}).items()
+        if stage in ("read", "decode", "collate", "transfer", "stage")
+    }
+    return Phase(
+        name=name,
+        what=what,
+        batches=len(timeline.arrivals[window]),
+        samples=samples,
+        seconds=round(seconds, 6),
+        samples_per_s=round(samples / seconds, 3) if seconds > 0 else 0.0,
+        step_s=round(sum(steps) / len(steps), 6) if steps else None,
+        wait_s=round(sum(waits) / len(waits), 6) if waits else None,
+        cpu_cores=round(cores, 3),
+        stage_s=stage_s,
+        bytes_fetched=int(stats.get("counts", {}).get("bytes_fetched", 0)),
+    )
+
+
+def run_step_alone(
+    step: Step, batch: Any, batch_size: int, *, budget_s: float, progress: PhaseProgress
+) -> Phase:
+    """The ceiling: the step on one ready batch, over and over (3 calls at least)."""
+    step(batch)  # warm-up: a model's first step allocates
+    step.reset()
+    start, cpu = time.perf_counter(), time.process_time()
+    while step.calls < 3 or (time.perf_counter() - start < budget_s and step.calls < 1000):
+        step(batch)
+        progress("ceiling", time.perf_counter() - start, budget_s, step.calls)
+    wall = time.perf_counter() - start
+    mean = step.mean_s
+    phase = Phase(
+        name="ceiling",
+        what=f"the step alone on a ready batch: {step.description}",
+        batches=step.calls,
+        samples=step.calls * batch_size,
+        seconds=round(wall, 6),
+        samples_per_s=round(batch_size / mean, 3) if mean > 0 else math.inf,
+        step_s=round(mean, 6),
+        cpu_cores=round((time.process_time() - cpu) / wall, 3) if wall > 0 else 0.0,
+    )
+    step.reset()
+    progress.done("ceiling", f"{mean * 1000:,.1f} ms a step")
+    return phase
+
+
+def run_h2d(batch: Any, device: Any, batch_size: int, *, budget_s: float) -> Phase:
+    """The copy of one batch from pinned host memory to ``device``, repeated."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return Phase(
+            name="h2d",
+            what="the host to device copy",
+            skipped="no GPU: batches stay in host memory (run on the training node to time it)",
+        )
+    host = [t.detach().to("cpu").pin_memory() for t in _tensors(batch)]
+    nbytes = sum(t.numel() * t.element_size() for t in host)
+    torch.cuda.synchronize()
+    copies, start = 0, time.perf_counter()
+    while copies < 5 or (time.perf_counter() - start < budget_s and copies < 500):
+        for t in host:
+            t.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        copies += 1
+    per = (time.perf_counter() - start) / copies
+    return Phase(
+        name="h2d",
+        what=f"copying a batch ({nbytes / 1e6:,.1f} MB) from pinned memory to {device}",
+        batches=copies,
+        samples=copies * batch_size,
+        seconds=round(per * copies, 6),
+        samples_per_s=round(batch_size / per, 3),
+        step_s=round(per, 6),
+        stage_s={"transfer": round(per, 6)},
+    )
+
+
+def _tensors(batch: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, list | tuple):
+        for value in batch:
+            yield from _tensors(value)

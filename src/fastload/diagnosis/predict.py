@@ -1,0 +1,362 @@
+"""From measured phases to a verdict and ranked fixes, each with its predicted figures.
+
+The model is a roofline over one batch period ``T`` (seconds per batch, ``B`` samples):
+
+    T >= T_step                        the step (as measured beside the loader)
+    T >= B * c / u_max                 the loader's CPU work on at most u_max cores
+    T >= (B * c + T_alone * s) / C     the loader and the step sharing the C cores
+    T >= B / R_fetch                   fetching, from a cold cache
+
+``c`` is the loader's CPU seconds per sample and ``u_max`` the cores its threads keep busy
+(both from the ``prep`` phase: cores per thread times threads, at most the cores), ``s``
+the cores the step keeps busy alone (0 for a sleeping step, 1 for one holding the GIL),
+``C`` this rank's cores. Without loader threads (``num_workers=0``) the loader runs in
+the step's thread: the terms add. What the model misses in the measured ``train`` phase
+(hand-offs, jitter) is kept as a factor on the loader's terms, so a fix's prediction
+starts from what was measured, not from the model's idea of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fastload.diagnosis.report import Fix, Phase, Verdict
+
+# At or above this utilization the step is the bottleneck: nothing to fix on the data side.
+SATURATED = 0.95
+# A fix must predict at least this gain to be listed.
+MIN_GAIN = 1.02
+
+
+@dataclass
+class Measured:
+    """What the phases measured, and the settings they ran with."""
+
+    batch_size: int
+    workers: int
+    prefetch: int
+    cores: float  # the cores this process could use when measured
+    cores_per_rank: float  # the node's cores over its local world size
+    prep: Phase
+    ceiling: Phase
+    train: Phase
+    cold: Phase | None = None
+    h2d: Phase | None = None
+    cached_fraction: float = 1.0  # of the measured samples' objects, in the cache already
+    dataset_samples: int = 0  # this rank's share of an epoch
+    share_bytes: int = 0  # this node's share of the dataset
+    cache_budget: int | None = None  # the cache's byte budget (None: no limit)
+    lookahead_bytes: int = 0
+    bytes_per_sample: float = 0.0
+    gpus: int = 1  # GPUs the job pays for (its world size)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The loader settings a prediction varies."""
+
+    workers: int
+    cores: float
+
+
+class Model:
+    """The roofline above, fitted to the measured phases."""
+
+    def __init__(self, m: Measured) -> None:
+        self.m = m
+        self.B = m.batch_size
+        self.step_alone = m.ceiling.step_s or 0.0
+        self.step_cores = min(m.ceiling.cpu_cores, m.cores)
+        # The step as it ran beside the loader (a step holding the GIL runs longer there).
+        self.step = max(self.step_alone, m.train.step_s or 0.0)
+        rate = max(m.prep.samples_per_s, 1e-9)
+        busy = max(m.prep.cpu_cores, 1e-3)
+        self.cpu_per_sample = busy / rate  # c
+        self.cores_per_thread = busy / min(max(m.workers, 1), m.cores)
+        self.measured_s = self.B / max(m.train.samples_per_s, 1e-9)
+        now = self.data_s(Settings(m.workers, m.cores))
+        # The factor on the loader's terms that makes the model meet the train phase.
+        self.fit = self.measured_s / now if now > self.step * 1.02 else 1.0
+        self.fit = min(max(self.fit, 0.5), 3.0)
+
+    def u_max(self, s: Settings) -> float:
+        return min(max(s.workers, 1) * self.cores_per_thread, s.cores)
+
+    def data_s(self, s: Settings) -> float:
+        """The loader's seconds per batch with the step beside it (unfitted)."""
+        work = self.B * self.cpu_per_sample
+        if s.workers == 0:
+            return work / min(self.cores_per_thread, s.cores)
+        shared = (work + self.step_alone * self.step_cores) / s.cores
+        return max(work / self.u_max(s), shared)
+
+    def batch_s(self, s: Settings, *, fitted: bool = True) -> float:
+        """Seconds per batch of training (warm cache)."""
+        data = self.data_s(s) * (self.fit if fitted else 1.0)
+        if s.workers == 0:
+            return self.step + data
+        return max(self.step, data)
+
+    def utilization(self, batch_s: float) -> float:
+        return min(1.0, self.step_alone / batch_s) if batch_s > 0 else 0.0
+
+    def cores_needed(self) -> int:
+        """Cores for this rank at which the loader keeps pace with the step."""
+        if self.step <= 0:
+            return math.inf  # type: ignore[return-value]
+        work = self.B * self.cpu_per_sample * self.fit
+        per_thread = min(self.cores_per_thread, 1.0)
+        return math.ceil(
+            max(
+                (work + self.step_alone * self.step_cores) / self.step,
+                work / (self.step * per_thread),
+            )
+        )
+
+
+def bottleneck(m: Measured, model: Model, basis: Phase) -> str:
+    """The stage the step waits on at ``basis`` (see report.BOTTLENECKS)."""
+    if model.utilization(model.B / max(basis.samples_per_s, 1e-9)) >= SATURATED:
+        return "none"
+    if (
+        basis.name == "cold"
+        and m.cold is not None
+        and (m.cold.samples_per_s < 0.9 * m.train.samples_per_s)
+    ):
+        return "fetch"
+    if m.h2d is not None and m.h2d.step_s and m.h2d.step_s >= model.measured_s * 0.5:
+        return "h2d"
+    if (
+        m.workers > 0
+        and model.step > 1.1 * model.step_alone
+        and (model.step >= 0.9 * model.measured_s)
+    ):
+        return "gil"
+    stages = {k: v for k, v in m.prep.stage_s.items() if k in ("read", "decode", "collate")}
+    if not stages:
+        return "read"
+    return max(stages, key=lambda k: stages[k])
+
+
+def basis_phase(m: Measured) -> Phase:
+    """The phase that stands for the job as it would run now: cold while the cache does not
+    hold the data (and the cold phase ran), else the warm train phase."""
+    if m.cold is not None and m.cold.skipped is None and m.cached_fraction < 0.95:
+        return m.cold
+    return m.train
+
+
+def fixes(
+    m: Measured,
+    model: Model,
+    basis: Phase,
+    *,
+    usd_per_gpu_hour: float | None,
+    warm_command: str,
+    dali_rate: float | None = None,
+) -> list[Fix]:
+    """The fixes worth making, best predicted gain first."""
+    now_s = model.B / max(basis.samples_per_s, 1e-9)
+    cold = basis.name == "cold"
+    fetch_bound = (
+        cold and m.cold is not None and (m.cold.samples_per_s < 0.9 * m.train.samples_per_s)
+    )
+    # While fetching binds, no fix of the loader beats the rate the remote delivered.
+    fetch_floor = now_s if fetch_bound else 0.0
+    found: list[Fix] = []
+
+    def add(
+        name: str,
+        change: dict[str, object],
+        why: str,
+        batch_s: float,
+        *,
+        command: str | None = None,
+        applicable: bool = True,
+        floor: bool = True,
+    ) -> None:
+        batch_s = max(batch_s, fetch_floor if floor else 0.0, model.step)
+        found.append(
+            _fix(
+                name,
+                change,
+                why,
+                batch_s,
+                now_s,
+                model,
+                m,
+                usd_per_gpu_hour,
+                command=command,
+                applicable=applicable,
+            )
+        )
+
+    if fetch_bound and m.cold is not None:
+        add(
+            "warm",
+            {},
+            "stage this node's share into the cache before training: the job "
+            "then reads at the warm-cache rate measured (the train phase)",
+            model.measured_s,
+            command=warm_command,
+            floor=False,
+        )
+        stage_s = m.cold.stage_s.get("stage")
+        window = m.lookahead_bytes / max(m.bytes_per_sample * model.B, 1.0)
+        if stage_s and window < 8:
+            add(
+                "lookahead_bytes",
+                {"lookahead_bytes": int(64 * model.B * m.bytes_per_sample)},
+                f"staging looks {window:.1f} batches ahead: fetches wait at each batch "
+                "instead of overlapping the step",
+                max(model.measured_s, stage_s),
+                floor=False,
+            )
+    if m.cache_budget is not None and m.share_bytes > m.cache_budget and m.cold is not None:
+        hit = m.cache_budget / m.share_bytes
+        cold_s = model.B / max(m.cold.samples_per_s, 1e-9)
+        epoch_s = hit * model.measured_s + (1 - hit) * cold_s
+        f = _fix(
+            "max_bytes",
+            {"max_bytes": m.share_bytes},
+            f"the cache budget "
+            f"({m.cache_budget / 1e9:,.1f} GB) holds {hit:.0%} of this node's share "
+            f"({m.share_bytes / 1e9:,.1f} GB): every epoch fetches the rest again",
+            model.measured_s,
+            epoch_s,
+            model,
+            m,
+            usd_per_gpu_hour,
+            applicable=False,
+        )
+        found.append(f)
+    threads = max(m.workers + 1, math.ceil(m.cores_per_rank))
+    if m.workers < m.cores_per_rank or m.workers == 0:
+        add(
+            "num_workers",
+            {"num_workers": threads},
+            f"{m.workers} loader thread{'s' if m.workers != 1 else ''} on "
+            f"{m.cores_per_rank:g} cores: the loader can use "
+            f"{threads}"
+            + (
+                " (beside a step holding the GIL it has "
+                f"{max(m.cores_per_rank - model.step_cores, 0):.1f} cores left)"
+                if model.step_cores > 0.5
+                else ""
+            ),
+            model.batch_s(Settings(threads, m.cores_per_rank)),
+        )
+    unfitted = model.batch_s(Settings(m.workers, m.cores_per_rank), fitted=False)
+    if (
+        m.workers > 0
+        and model.measured_s > 1.15 * unfitted
+        and model.data_s(Settings(m.workers, m.cores_per_rank)) < model.step
+    ):
+        add(
+            "prefetch_batches",
+            {"prefetch_batches": 2 * m.prefetch},
+            f"the loader keeps pace on average but the step still waits: {m.prefetch} batches "
+            "ahead do not cover its uneven batches",
+            unfitted,
+        )
+    need = model.cores_needed()
+    if need > m.cores_per_rank:
+        per_core = 1 / max(model.cpu_per_sample, 1e-12)
+        add(
+            "cores",
+            {"cores": need, "num_workers": need},
+            f"the loader decodes {per_core:,.0f} samples/s per core; {need} cores per GPU "
+            "keep pace with the step",
+            model.batch_s(Settings(need, need)),
+            applicable=False,
+        )
+    if dali_rate:
+        add(
+            "dali",
+            {"decode": "dali"},
+            "decode on the GPU (DALI, nvJPEG): measured "
+            f"{dali_rate:,.0f} samples/s from the warm cache",
+            max(model.step, model.B / dali_rate),
+        )
+    found = [f for f in found if f.gain >= MIN_GAIN]
+    found.sort(key=lambda f: (-f.gain, not f.applicable))
+    return found
+
+
+def _fix(
+    name: str,
+    change: dict[str, object],
+    why: str,
+    batch_s: float,
+    now_s: float,
+    model: Model,
+    m: Measured,
+    usd: float | None,
+    *,
+    command: str | None = None,
+    applicable: bool = True,
+) -> Fix:
+    rate = model.B / batch_s
+    epoch_s = m.dataset_samples / rate if rate > 0 else math.inf
+    return Fix(
+        name=name,
+        change=change,
+        why=why,
+        predicted_samples_per_s=round(rate, 3),
+        predicted_utilization=round(model.utilization(batch_s), 4),
+        predicted_epoch_s=round(epoch_s, 3),
+        predicted_epoch_usd=None if usd is None else round(epoch_s / 3600 * usd * m.gpus, 6),
+        gain=round(now_s / batch_s, 4),
+        command=command,
+        applicable=applicable,
+    )
+
+
+def verdict(
+    m: Measured,
+    model: Model,
+    basis: Phase,
+    neck: str,
+    *,
+    usd_per_gpu_hour: float | None,
+    epochs_per_day: float | None,
+) -> Verdict:
+    batch_s = model.B / max(basis.samples_per_s, 1e-9)
+    util = model.utilization(batch_s)
+    rate = basis.samples_per_s
+    epoch_s = m.dataset_samples / rate if rate > 0 else math.inf
+    epoch_usd = lost = per_day = None
+    if usd_per_gpu_hour is not None:
+        epoch_usd = epoch_s / 3600 * usd_per_gpu_hour * m.gpus
+        lost = epoch_usd * (1 - util)
+        per_day = (
+            lost * epochs_per_day
+            if epochs_per_day is not None
+            else (1 - util) * usd_per_gpu_hour * m.gpus * 24
+        )
+    where = (
+        "reading into an empty cache (a first epoch)"
+        if basis.name == "cold"
+        else ("reading from a warm cache")
+    )
+    waits = {
+        "none": "the step never waits: the GPU is the bottleneck",
+        "fetch": "the step waits for the remote: the cache does not hold the data yet",
+        "read": "the step waits for reading cached bytes",
+        "decode": "the step waits for decoding (CPU)",
+        "collate": "the step waits for collating batches",
+        "gil": "the loader's threads take the GIL and cores from a step that holds the GIL",
+        "h2d": "the step waits for the host to device copy",
+    }[neck]
+    return Verdict(
+        utilization=round(util, 4),
+        samples_per_s=round(rate, 3),
+        ceiling_samples_per_s=round(m.ceiling.samples_per_s, 3),
+        epoch_s=round(epoch_s, 3),
+        epoch_usd=None if epoch_usd is None else round(epoch_usd, 6),
+        lost_usd_per_epoch=None if lost is None else round(lost, 6),
+        lost_usd_per_day=None if per_day is None else round(per_day, 4),
+        basis=basis.name,
+        summary=f"{waits}, {where}",
+    )
