@@ -33,18 +33,6 @@ def test_help_lists_every_command_of_the_design() -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "issue"),
-    [(["doctor"], "later")],
-)
-def test_commands_still_open_say_so_and_exit_2(args, issue) -> None:
-    out = run(*args)
-    assert out.returncode == 2
-    assert "not available yet" in out.stderr
-    assert issue in out.stderr
-    assert out.stderr.count("\n") == 1  # one line
-
-
-@pytest.mark.parametrize(
     "args",
     [
         [],

@@ -10,6 +10,7 @@ what to do, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -29,14 +30,13 @@ from fastload.errors import (
 from fastload.plan import DEFAULT_WINDOW_SHARDS
 from fastload.remote import scrub
 
+# The step `fastload doctor` runs when told none: the bench's simulated step.
+DEFAULT_DOCTOR_STEP_MS = 20.0
+
 if TYPE_CHECKING:
     from fastload.bench.e2e_bench import E2EConfig
     from fastload.bench.runner import Report
 
-# Commands of DESIGN.md whose implementation is tracked by an open issue.
-_PENDING = {
-    "doctor": "finding where the training step waits (a later issue)",
-}
 _SIZE_UNITS = {
     "": 1,
     "K": 10**3,
@@ -222,15 +222,6 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pending(command: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        raise NotYetAvailableError(
-            f"'fastload {command}' is not available yet: {_PENDING[command]}"
-        )
-
-    return run
-
-
 def _bench(args: argparse.Namespace) -> int:
     if args.components and args.scale:
         raise UsageError("give --components or --scale, not both")
@@ -327,6 +318,94 @@ def _bench_scale(args: argparse.Namespace) -> int:
     print("\n".join(scale_bench.target_lines(report)))
     print(f"wrote {report.write_json(out)}", flush=True)
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from fastload.diagnosis import doctor, render
+    from fastload.diagnosis.builtin import builtin_remote
+    from fastload.diagnosis.prices import UnknownGPUError
+
+    out = Path(args.out)
+    settings = doctor_settings(args)
+    with contextlib.ExitStack() as stack:
+        if args.url is None:
+            print(f"fastload {fastload.__version__} doctor: a generated dataset", flush=True)
+            url, options = stack.enter_context(
+                builtin_remote(out, latency_s=args.latency_ms / 1000)
+            )
+            settings["storage_options"] = options
+            if settings.get("cache_dir") is None:
+                settings["cache_dir"] = str(out / "cache")
+        else:
+            url = args.url
+        try:
+            report = doctor(url, progress=None if not args.json else False, **settings)
+        except UnknownGPUError as exc:  # bad usage: name a known GPU or give --price
+            raise UsageError(str(exc)) from None
+        except FastloadError:
+            raise
+        except ValueError as exc:  # settings that parse but do not fit together
+            raise UsageError(str(exc)) from None
+    lines = render.write(report, out, with_chart=not args.no_chart)
+    if args.json:
+        print(report.to_json())
+    else:
+        print(render.table(report))
+        print("\n".join(lines))
+    return 0
+
+
+def doctor_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``fl.doctor``'s keyword arguments from ``fastload doctor``'s."""
+    from fastload.decode import EvalPreset, TrainPreset
+
+    transform = {"train": TrainPreset, "eval": EvalPreset}.get(args.transform)
+    settings: dict[str, Any] = {
+        "step_ms": args.step_ms,
+        "step_holds_gil": args.step_holds_gil,
+        "model": args.model,
+        "gpu": args.gpu,
+        "price": args.price,
+        "spot": args.spot,
+        "epochs_per_day": args.epochs_per_day,
+        "cold": args.cold,
+        "apply": args.apply,
+        "phase_s": args.phase_s,
+        "rank": args.rank,
+        "world_size": args.world_size,
+        "local_world_size": args.local_world_size,
+        "format": args.format or "auto",
+        "cache_dir": args.cache_dir,
+        "max_bytes": args.max_bytes,
+        "batch_size": args.batch_size,
+        "num_workers": args.workers,
+        "decode": None if args.decode == "none" else args.decode,
+        "transform": None if transform is None else transform(args.size),
+        "device": args.device,
+        "seed": args.seed,
+        "prefetch_batches": args.prefetch_batches,
+        "lookahead_bytes": args.lookahead_bytes,
+    }
+    if args.spot_discount is not None:
+        settings["spot_discount"] = args.spot_discount
+    if args.step_ms is None and args.model is None:
+        settings["step_ms"] = DEFAULT_DOCTOR_STEP_MS
+    if args.step_holds_gil and args.step_ms is None and args.model is None:
+        pass  # the default step, holding the GIL
+    elif args.step_holds_gil and args.model is not None:
+        raise UsageError("--step-holds-gil goes with --step-ms; a --model step is what it is")
+    keep = {"cache_dir", "max_bytes", "rank", "world_size", "local_world_size", "price"}
+    return {k: v for k, v in settings.items() if v is not None or k in keep}
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _bandwidth(text: str) -> int:
@@ -442,8 +521,66 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(run=_bench)
 
-    doctor = sub.add_parser("doctor", help="where does the training step wait, and what it costs")
-    doctor.set_defaults(run=_pending("doctor"))
+    doctor = sub.add_parser(
+        "doctor",
+        help="where the training step waits for data, what it costs, and the fix",
+        description=(
+            "Measures the step alone, the loader alone from a warm cache, both together, "
+            "the first epoch from the remote (when the cache does not hold the data) and "
+            "the host to device copy; names the stage the step waits on, the GPU "
+            "utilization and cost per epoch, and the settings that fix it ranked by "
+            "predicted gain. --apply re-measures the top fix against its prediction. "
+            "Without a URL it diagnoses a generated dataset served over loopback S3. "
+            "Writes doctor.json and doctor.png to --out."
+        ),
+    )
+    doctor.add_argument("url", nargs="?", help="your dataset (default: a generated one)")
+    doctor.add_argument("--out", default="fastload-doctor", help="doctor.json, doctor.png, data")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--no-chart", action="store_true", help="do not draw doctor.png")
+    step = doctor.add_argument_group("the training step (default: a 20 ms sleep)")
+    step.add_argument("--step-ms", type=_non_negative, help="the step's time, run as a sleep")
+    step.add_argument(
+        "--step-holds-gil",
+        action="store_true",
+        help="run the step as a busy Python loop: it holds the GIL, as a real step's Python does",
+    )
+    step.add_argument("--model", help="a real training step on --device: resnet50, vit_b16, ...")
+    money = doctor.add_argument_group("money")
+    money.add_argument("--gpu", help="H100, A100, A10, L4, V100, T4 (built-in prices)")
+    money.add_argument("--price", type=_non_negative, help="USD per GPU-hour (on demand)")
+    money.add_argument("--spot", action="store_true", help="Spot capacity: take its discount")
+    money.add_argument("--spot-discount", type=float, help="default 0.65")
+    money.add_argument("--epochs-per-day", type=_non_negative, help="for the cost per day")
+    loader = doctor.add_argument_group("the loader (as fl.DataLoader takes them)")
+    loader.add_argument("--batch-size", type=positive_int, default=64)
+    loader.add_argument("--workers", type=int, default=2, help="num_workers: loader threads")
+    loader.add_argument("--decode", choices=["auto", "cpu", "dali", "none"], default="auto")
+    loader.add_argument("--transform", choices=["train", "eval", "none"], default="train")
+    loader.add_argument("--size", type=positive_int, default=224, help="the preset's size")
+    loader.add_argument("--device", help="cpu, cuda, cuda:1 (default: batches stay on the host)")
+    loader.add_argument("--seed", type=int, default=0)
+    loader.add_argument("--prefetch-batches", type=positive_int)
+    loader.add_argument("--lookahead-bytes", type=parse_size, help="e.g. 1G")
+    loader.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
+    loader.add_argument("--max-bytes", type=parse_size, help="the cache budget, e.g. 200G")
+    loader.add_argument("--format", choices=FORMATS)
+    run = doctor.add_argument_group("the diagnosis")
+    run.add_argument(
+        "--cold",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure a first epoch from the remote (default: when the cache lacks the data)",
+    )
+    run.add_argument("--apply", action="store_true", help="re-measure with the top fix applied")
+    run.add_argument("--phase-s", type=float, default=4.0, help="seconds per phase (default 4)")
+    run.add_argument("--rank", type=int, help="this rank (default: torchrun's RANK, else 0)")
+    run.add_argument("--world-size", type=positive_int, help="ranks in the job (GPUs paid for)")
+    run.add_argument("--local-world-size", type=positive_int, help="ranks on this node")
+    run.add_argument(
+        "--latency-ms", type=_non_negative, default=20.0, help="the generated dataset's remote"
+    )
+    doctor.set_defaults(run=_doctor)
     return parser
 
 

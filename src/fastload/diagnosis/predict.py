@@ -75,44 +75,53 @@ class Model:
         self.cpu_per_sample = busy / rate  # c
         self.cores_per_thread = busy / min(max(m.workers, 1), m.cores)
         self.measured_s = self.B / max(m.train.samples_per_s, 1e-9)
-        now = self.data_s(Settings(m.workers, m.cores))
-        # The factor on the loader's terms that makes the model meet the train phase.
-        self.fit = self.measured_s / now if now > self.step * 1.02 else 1.0
-        self.fit = min(max(self.fit, 0.5), 3.0)
+        # What the model misses in the train phase, fitted to it: a stall per batch on each
+        # loader thread (it waits for the GIL a step holds: more threads hide it, as long
+        # as cores are left), or, where the cores bind, a factor on the cores' term.
+        self.stall_s = 0.0
+        self.fit = 1.0
+        now = Settings(m.workers, m.cores)
+        if m.workers > 0 and self.measured_s > 1.02 * max(self.step, self.data_s(now)):
+            if self.threads_s(now) >= self.cores_s(now):
+                self.stall_s = m.workers * self.measured_s - self.work_s / self.cores_per_thread
+            else:
+                self.fit = min(self.measured_s / self.cores_s(now), 3.0)
 
-    def u_max(self, s: Settings) -> float:
-        return min(max(s.workers, 1) * self.cores_per_thread, s.cores)
+    @property
+    def work_s(self) -> float:
+        """The loader's CPU seconds per batch."""
+        return self.B * self.cpu_per_sample
+
+    def threads_s(self, s: Settings) -> float:
+        """Seconds per batch the loader's threads need, each at its measured speed."""
+        return (self.work_s / self.cores_per_thread + self.stall_s) / max(s.workers, 1)
+
+    def cores_s(self, s: Settings) -> float:
+        """Seconds per batch the cores need for the loader's and the step's CPU work."""
+        return (self.work_s + self.step_alone * self.step_cores) / s.cores * self.fit
 
     def data_s(self, s: Settings) -> float:
-        """The loader's seconds per batch with the step beside it (unfitted)."""
-        work = self.B * self.cpu_per_sample
-        if s.workers == 0:
-            return work / min(self.cores_per_thread, s.cores)
-        shared = (work + self.step_alone * self.step_cores) / s.cores
-        return max(work / self.u_max(s), shared)
+        """The loader's seconds per batch with the step beside it."""
+        if s.workers == 0:  # in the step's thread, one after the other
+            return self.work_s / min(self.cores_per_thread, s.cores)
+        return max(self.threads_s(s), self.cores_s(s))
 
-    def batch_s(self, s: Settings, *, fitted: bool = True) -> float:
+    def batch_s(self, s: Settings) -> float:
         """Seconds per batch of training (warm cache)."""
-        data = self.data_s(s) * (self.fit if fitted else 1.0)
         if s.workers == 0:
-            return self.step + data
-        return max(self.step, data)
+            return self.step + self.data_s(s)
+        return max(self.step, self.data_s(s))
 
     def utilization(self, batch_s: float) -> float:
         return min(1.0, self.step_alone / batch_s) if batch_s > 0 else 0.0
 
     def cores_needed(self) -> int:
-        """Cores for this rank at which the loader keeps pace with the step."""
+        """Cores for this rank (one loader thread each) at which the loader keeps pace."""
         if self.step <= 0:
-            return math.inf  # type: ignore[return-value]
-        work = self.B * self.cpu_per_sample * self.fit
-        per_thread = min(self.cores_per_thread, 1.0)
-        return math.ceil(
-            max(
-                (work + self.step_alone * self.step_cores) / self.step,
-                work / (self.step * per_thread),
-            )
-        )
+            return 1 << 30
+        threads = self.work_s / self.cores_per_thread + self.stall_s
+        cores = (self.work_s + self.step_alone * self.step_cores) * self.fit
+        return math.ceil(max(threads, cores) / self.step)
 
 
 def bottleneck(m: Measured, model: Model, basis: Phase) -> str:
@@ -247,18 +256,21 @@ def fixes(
             ),
             model.batch_s(Settings(threads, m.cores_per_rank)),
         )
-    unfitted = model.batch_s(Settings(m.workers, m.cores_per_rank), fitted=False)
-    if (
-        m.workers > 0
-        and model.measured_s > 1.15 * unfitted
-        and model.data_s(Settings(m.workers, m.cores_per_rank)) < model.step
-    ):
+    # The loader as fast as its threads and cores allow, with no stall between batches.
+    unstalled = max(
+        model.step,
+        model.work_s / (model.cores_per_thread * max(m.workers, 1)),
+        model.cores_s(Settings(m.workers, m.cores_per_rank)) / model.fit,
+    )
+    # (Beside a step holding the GIL, the stall is the GIL's: a deeper queue does not help.)
+    jitter = model.step_cores < 0.5 and model.measured_s > 1.15 * unstalled
+    if m.workers > 0 and m.prefetch < 4 and jitter:
         add(
             "prefetch_batches",
             {"prefetch_batches": 2 * m.prefetch},
             f"the loader keeps pace on average but the step still waits: {m.prefetch} batches "
             "ahead do not cover its uneven batches",
-            unfitted,
+            unstalled,
         )
     need = model.cores_needed()
     if need > m.cores_per_rank:
@@ -281,6 +293,11 @@ def fixes(
         )
     found = [f for f in found if f.gain >= MIN_GAIN]
     found.sort(key=lambda f: (-f.gain, not f.applicable))
+    if fetch_bound:  # then what binds once the cache is warm, and its fixes
+        for f in fixes(m, model, m.train, usd_per_gpu_hour=usd_per_gpu_hour, warm_command=""):
+            f.why = f"once warm: {f.why}"
+            f.gain = round(now_s / (model.B / f.predicted_samples_per_s), 4)
+            found.append(f)
     return found
 
 
