@@ -96,7 +96,9 @@ def doctor(
     notes: list[str] = []
     rank, world_size, lws = _world(rank, world_size, local_world_size)
     batch_size = int(settings.get("batch_size") or 1)
-    the_step = _step(step, model, step_ms, step_holds_gil, in_place, settings, notes)
+    the_step = _step(
+        step, model, step_ms, step_holds_gil, loader_or_url if in_place else None, settings, notes
+    )
     bar = PhaseProgress(progress)
     cores = (
         float(len(os.sched_getaffinity(0)))
@@ -186,6 +188,9 @@ def doctor(
         model_fit = predict.Model(m)
         basis = predict.basis_phase(m)
         neck = predict.bottleneck(m, model_fit, basis)
+        dali_rate = None
+        if neck == "decode" and settings.get("decode") != "dali":
+            dali_rate = _dali_rate(warm_ds, settings, warm_indices, phase_s, bar, notes)
         fixes = (
             []
             if neck == "none"
@@ -195,6 +200,7 @@ def doctor(
                 basis,
                 usd_per_gpu_hour=usd.usd_per_gpu_hour,
                 warm_command=_warm_command(dataset, rank, world_size, lws, settings),
+                dali_rate=dali_rate,
             )
         )
         if neck == "none":
@@ -348,6 +354,13 @@ def _step(
         return model_step(
             model, batch_size=int(settings.get("batch_size") or 1), device=device, image_size=size
         )
+    ran = in_place.stats() if in_place is not None else {}
+    if step_ms is None and ran.get("step_s_mean"):
+        step_ms = ran["step_s_mean"] * 1000
+        notes.append(
+            f"the step as it ran in this loader ({step_ms:,.1f} ms a batch over "
+            f"{ran['batches']:,} batches) is run as a sleep: pass step= to run your own"
+        )
     if step_ms is None:
         raise ValueError(
             "say what the training step is: step_ms (its time in ms, as a sleep; with "
@@ -422,6 +435,37 @@ def _loader(dataset: ShardedDataset, settings: dict[str, Any], indices: list[int
     from fastload.loader import DataLoader
 
     return DataLoader(dataset, sampler=indices, **settings)
+
+
+def _dali_rate(
+    dataset: ShardedDataset,
+    settings: dict[str, Any],
+    indices: list[int],
+    phase_s: float,
+    bar: PhaseProgress,
+    notes: list[str],
+) -> float | None:
+    """The loader alone with DALI decoding on the GPU: what decode="dali" would deliver;
+    None (with a note) where there is no GPU or no DALI to measure it."""
+    from fastload.decode import cuda_available, dali_installed
+
+    device = str(settings.get("device") or "")
+    if not (device.startswith("cuda") and cuda_available() and dali_installed()):
+        notes.append(
+            "decoding binds: on a GPU node decode='dali' moves it to the GPU (nvJPEG); run "
+            "the doctor there with --device cuda to measure it"
+            + ("" if dali_installed() else " (pip install 'fastload[dali]')")
+        )
+        return None
+    phase, _ = measure.run_loader(
+        "dali",
+        "the loader alone with decode='dali'",
+        _loader(dataset, {**settings, "decode": "dali"}, indices),
+        step=None,
+        budget_s=phase_s / 2,
+        progress=bar,
+    )
+    return phase.samples_per_s
 
 
 def _prefetch_depth(settings: dict[str, Any]) -> int:

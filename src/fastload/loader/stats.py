@@ -23,6 +23,7 @@ class LoaderStats:
         self._skipped: list[str] = []
         self._info: dict[str, Any] = {}
         self.started = time.perf_counter()
+        self._cpu_started = time.process_time()
 
     def add(self, stage: str, seconds: float, count: int = 1) -> None:
         with self._lock:
@@ -56,6 +57,7 @@ class LoaderStats:
             seconds, counts = dict(self._seconds), dict(self._counts)
             skipped, info = list(self._skipped), dict(self._info)
         elapsed = time.perf_counter() - self.started
+        cpu = time.process_time() - self._cpu_started
         stages = {
             name: {"seconds": round(seconds[name], 6), "calls": counts.get(name, 0)}
             for name in sorted(seconds)
@@ -74,6 +76,11 @@ class LoaderStats:
             # The share of the training loop's time spent waiting for the next batch, timed
             # inside the loader's __next__ (freeing the previous batch counts as the step).
             "wait_fraction": round(wait / (wait + step), 6) if wait + step > 0 else 0.0,
+            # What `fl.doctor(loader)` starts from: the training step as it ran here, the
+            # waits between steps, and the cores the process kept busy (loader and step).
+            "step_s_mean": round(step / counts["step"], 6) if counts.get("step") else None,
+            "wait_s_mean": round(wait / counts["wait"], 6) if counts.get("wait") else None,
+            "cpu_cores": round(cpu / elapsed, 3) if elapsed > 0 else 0.0,
             "stages": stages,
             "counts": {k: v for k, v in sorted(counts.items()) if k not in stages},
             "skipped_samples": counts.get("skipped_samples", 0),
