@@ -294,3 +294,28 @@ def test_nothing_to_read_or_no_remote_is_a_one_line_error(tmp_path: Path) -> Non
         assert done.stderr.startswith("fastload: ")
         assert done.stderr.count("\n") == 1
         assert "Traceback" not in done.stderr
+
+
+def test_ranks_sharing_the_node_get_their_share_of_the_cores(jpegs: Path, warm_cache: str) -> None:
+    report = fl.doctor(
+        str(jpegs),
+        cache_dir=warm_cache,
+        step_ms=1,
+        num_workers=2,
+        local_world_size=2,
+        world_size=2,
+        transform=small_preset(),
+        **QUICK,
+    )
+    cores = report.node["cores"]
+    assert report.node["cores_per_rank"] == cores / 2
+    assert report.node["world_size"] == 2
+    assert any("each has" in note for note in report.notes)
+    # The rank's figures are for its share: at most what one core's worth of the loader's
+    # measured CPU per sample allows (the train phase, run alone, had every core).
+    assert report.bottleneck == "decode"
+    prep = report.phases["prep"]
+    per_core = prep.samples_per_s / prep.cpu_cores
+    assert report.verdict.samples_per_s <= per_core * report.node["cores_per_rank"] * 1.01
+    assert report.verdict.samples_per_s <= report.phases["train"].samples_per_s
+    assert report.dataset["measured_samples"] == SAMPLES // 2  # rank 0's half

@@ -94,6 +94,9 @@ def doctor(
         loader_or_url, format, cache_dir, storage_options, max_bytes, loader_settings
     )
     notes: list[str] = []
+    plan = getattr(loader_or_url, "_plan_sampler", None) if in_place else None
+    if plan is not None and rank is None and world_size is None:  # the loader's own share
+        rank, world_size = plan.rank, plan.world_size
     rank, world_size, lws = _world(rank, world_size, local_world_size)
     batch_size = int(settings.get("batch_size") or 1)
     the_step = _step(
@@ -366,8 +369,8 @@ def _step(
             "say what the training step is: step_ms (its time in ms, as a sleep; with "
             "step_holds_gil a busy loop), model (e.g. resnet50) or step (your function)"
         )
-    if step_ms < 0:
-        raise ValueError(f"step_ms must be >= 0, got {step_ms}")
+    if step_ms <= 0:
+        raise ValueError(f"step_ms must be > 0 (the training step's time), got {step_ms:g}")
     if not (settings.get("device") and str(settings["device"]).startswith("cuda")):
         notes.append(
             f"no GPU step ran: the figures are for a {step_ms:g} ms step "

@@ -30,6 +30,10 @@ from fastload.diagnosis.steps import Step
 
 # A phase measures at least this many batches (its budget may run over to reach them).
 MIN_BATCHES = 6
+# A phase with a long step stops at this many times its budget, with as few batches as
+# give a rate (3: the steady part is the last two).
+HARD_STOP = 3
+FEWEST_BATCHES = 3
 # At most this many batches are queued up for a warm phase (it stops at its budget first).
 MAX_WARM_BATCHES = 400
 
@@ -84,6 +88,12 @@ class PhaseProgress:
             self.stream.flush()
 
 
+def _enough(elapsed: float, budget_s: float, batches: int) -> bool:
+    if elapsed >= budget_s and batches >= MIN_BATCHES:
+        return True
+    return elapsed >= HARD_STOP * budget_s and batches >= FEWEST_BATCHES
+
+
 def repeated(indices: Sequence[int], batches: int, batch_size: int) -> list[int]:
     """``indices`` over and over, up to ``batches`` batches: a warm phase that outlasts the
     samples measured cold reads them again (they are all cached by then)."""
@@ -136,7 +146,7 @@ def run_loader(
             ready = time.perf_counter()
             elapsed = ready - start
             progress(name, elapsed, budget_s, len(timeline.arrivals))
-            if elapsed >= budget_s and len(timeline.arrivals) >= MIN_BATCHES:
+            if _enough(elapsed, budget_s, len(timeline.arrivals)):
                 break
             del batch
     finally:
@@ -179,11 +189,15 @@ def run_step_alone(
     step: Step, batch: Any, batch_size: int, *, budget_s: float, progress: PhaseProgress
 ) -> Phase:
     """The ceiling: the step on one ready batch, over and over (3 calls at least)."""
-    step(batch)  # warm-up: a model's first step allocates
+    if step.kind in ("model", "callable"):
+        step(batch)  # warm-up: a model's first step allocates
     step.reset()
     start, cpu = time.perf_counter(), time.process_time()
-    while step.calls < 3 or (time.perf_counter() - start < budget_s and step.calls < 1000):
+    while True:
         step(batch)
+        elapsed = time.perf_counter() - start
+        if step.calls >= 1000 or _enough(elapsed, budget_s, step.calls):
+            break
         progress("ceiling", time.perf_counter() - start, budget_s, step.calls)
     wall = time.perf_counter() - start
     mean = step.mean_s
@@ -193,7 +207,7 @@ def run_step_alone(
         batches=step.calls,
         samples=step.calls * batch_size,
         seconds=round(wall, 6),
-        samples_per_s=round(batch_size / mean, 3) if mean > 0 else math.inf,
+        samples_per_s=round(batch_size / mean, 3) if mean > 0 else 0.0,
         step_s=round(mean, 6),
         cpu_cores=round((time.process_time() - cpu) / wall, 3) if wall > 0 else 0.0,
     )

@@ -124,9 +124,19 @@ class Model:
         return math.ceil(max(threads, cores) / self.step)
 
 
+def current_s(m: Measured, model: Model, basis: Phase) -> float:
+    """Seconds per batch as the job runs now: as ``basis`` measured, or, where the node's
+    ranks share the cores measured (a local world size above 1), as the model predicts for
+    this rank's share of them."""
+    measured = model.B / max(basis.samples_per_s, 1e-9)
+    if m.cores_per_rank >= m.cores:
+        return measured
+    return max(measured, model.batch_s(Settings(m.workers, m.cores_per_rank)))
+
+
 def bottleneck(m: Measured, model: Model, basis: Phase) -> str:
     """The stage the step waits on at ``basis`` (see report.BOTTLENECKS)."""
-    if model.utilization(model.B / max(basis.samples_per_s, 1e-9)) >= SATURATED:
+    if model.utilization(current_s(m, model, basis)) >= SATURATED:
         return "none"
     if (
         basis.name == "cold"
@@ -166,7 +176,7 @@ def fixes(
     dali_rate: float | None = None,
 ) -> list[Fix]:
     """The fixes worth making, best predicted gain first."""
-    now_s = model.B / max(basis.samples_per_s, 1e-9)
+    now_s = current_s(m, model, basis)
     cold = basis.name == "cold"
     fetch_bound = (
         cold and m.cold is not None and (m.cold.samples_per_s < 0.9 * m.train.samples_per_s)
@@ -339,9 +349,9 @@ def verdict(
     usd_per_gpu_hour: float | None,
     epochs_per_day: float | None,
 ) -> Verdict:
-    batch_s = model.B / max(basis.samples_per_s, 1e-9)
+    batch_s = current_s(m, model, basis)
     util = model.utilization(batch_s)
-    rate = basis.samples_per_s
+    rate = model.B / batch_s
     epoch_s = m.dataset_samples / rate if rate > 0 else math.inf
     epoch_usd = lost = per_day = None
     if usd_per_gpu_hour is not None:
