@@ -268,6 +268,8 @@ def doctor(
     finally:
         for path in work_dirs:
             shutil.rmtree(path, ignore_errors=True)
+        if not in_place:  # the dataset this call opened
+            dataset.close()
 
 
 def _target(

@@ -137,8 +137,8 @@ def run_loader(
             timeline.cpu.append(time.process_time())
             timeline.samples.append(batch_samples(batch))
             timeline.waits.append(now - ready)
-            if keep_first and first is None:
-                first = batch
+            if keep_first and first is None:  # a copy: the loader's buffers go with it
+                first = _copied(batch)
             if step is not None:
                 before = step.spent_s
                 step(batch)
@@ -149,11 +149,9 @@ def run_loader(
             if _enough(elapsed, budget_s, len(timeline.arrivals)):
                 break
             del batch
+        stats = loader.stats()
     finally:
-        close = getattr(iterator, "close", None)
-        if callable(close):
-            close()
-    stats = loader.stats()
+        loader.close()  # its threads, and the decoder's
     phase = _phase(name, what, timeline, stats)
     progress.done(name, f"{phase.samples_per_s:,.0f} samples/s over {phase.batches} batches")
     return phase, first
@@ -246,6 +244,18 @@ def run_h2d(batch: Any, device: Any, batch_size: int, *, budget_s: float) -> Pha
         step_s=round(per, 6),
         stage_s={"transfer": round(per, 6)},
     )
+
+
+def _copied(batch: Any) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, dict):
+        return {k: _copied(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_copied(v) for v in batch)
+    return batch
 
 
 def _tensors(batch: Any) -> Iterator[Any]:

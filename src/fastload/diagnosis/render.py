@@ -27,15 +27,6 @@ STAGE_COLUMNS = (
     ("transfer", "transfer"),
     ("stage", "fetch"),
 )
-BOTTLENECK_MEANINGS = {
-    "none": "the step itself binds (the GPU is the bottleneck)",
-    "fetch": "the remote: the cache does not hold the data",
-    "read": "reading from the cache",
-    "decode": "the loader's CPU decoding",
-    "collate": "the loader's CPU batching",
-    "gil": "the loader's threads slow a step that holds the GIL",
-    "h2d": "the host to device copy",
-}
 NOT_APPLICABLE = "(not applicable here)"
 NO_MATPLOTLIB = "no chart: matplotlib is not installed (pip install 'fastload[bench]')"
 
@@ -237,8 +228,7 @@ def _phase_table(report: Report) -> list[str]:
 
 def _verdict_lines(report: Report) -> list[str]:
     verdict = report.verdict
-    meaning = BOTTLENECK_MEANINGS.get(report.bottleneck)
-    head = f"bottleneck: {report.bottleneck}" + (f" ({meaning})" if meaning else "")
+    head = f"bottleneck: {report.bottleneck}"  # the summary says what it means
     lines = _wrap(f"{head} — {verdict.summary}" if verdict.summary else head)
     figures = [
         f"utilization {_percent(verdict.utilization)}",
