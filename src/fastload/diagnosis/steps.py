@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastload.bench.runner import busy_loop, busy_rate
+from fastload.bench.runner import busy_loop
+
+_CHUNK = 2_000  # busy-loop iterations between looks at the clock (~50 us)
 
 
 class Step:
@@ -34,7 +36,6 @@ class Step:
         if seconds < 0:
             raise ValueError(f"the step's time must be >= 0 ms, got {seconds * 1000:g}")
         self.kind, self.seconds, self.fn = kind, seconds, fn
-        self.iterations = round(busy_rate() * seconds) if kind == "gil" else 0
         self.description = description or self._describe()
         self.reset()
 
@@ -56,7 +57,10 @@ class Step:
         if self.kind == "sleep":
             time.sleep(self.seconds)
         elif self.kind == "gil":
-            busy_loop(self.iterations)
+            # Python work until this thread has run for the step's time: the same work
+            # whatever else runs, and its wall time shows what the loader took from it.
+            while time.thread_time() - cpu < self.seconds:
+                busy_loop(_CHUNK)
         else:
             assert self.fn is not None
             self.fn(batch)
