@@ -134,10 +134,18 @@ def test_a_warm_cache_and_a_1ms_step_waits_on_decoding_with_a_cores_recommendati
 
 def test_a_500ms_step_is_the_bottleneck_and_nothing_is_lost(jpegs: Path, warm_cache: str) -> None:
     report = fl.doctor(
-        str(jpegs), cache_dir=warm_cache, step_ms=500, num_workers=2, gpu="H100", **QUICK
+        str(jpegs),
+        cache_dir=warm_cache,
+        step_ms=500,
+        num_workers=2,
+        gpu="H100",
+        apply=True,
+        **QUICK,
     )
     assert report.bottleneck == "none"
     assert report.fixes == []
+    assert report.applied is None
+    assert "--apply: no fix to apply here" in report.notes
     assert report.verdict.utilization >= 0.95
     v = report.verdict
     assert v.epoch_usd is not None

@@ -21,7 +21,7 @@ import fastload
 from fastload.datasets.base import ShardedDataset
 from fastload.diagnosis import measure, predict
 from fastload.diagnosis.measure import PhaseProgress
-from fastload.diagnosis.prices import SPOT_DISCOUNT, price_for
+from fastload.diagnosis.prices import SPOT_DISCOUNT, Price, price_for
 from fastload.diagnosis.report import SCHEMA_VERSION, Applied, Phase, Report
 from fastload.diagnosis.steps import Step, model_step
 from fastload.store import CachedStore
@@ -93,130 +93,192 @@ def doctor(
     dataset, settings, in_place = _target(
         loader_or_url, format, cache_dir, storage_options, max_bytes, loader_settings
     )
-    notes: list[str] = []
-    plan = getattr(loader_or_url, "_plan_sampler", None) if in_place else None
-    if plan is not None and rank is None and world_size is None:  # the loader's own share
-        rank, world_size = plan.rank, plan.world_size
-    rank, world_size, lws = _world(rank, world_size, local_world_size)
-    batch_size = int(settings.get("batch_size") or 1)
-    the_step = _step(
-        step, model, step_ms, step_holds_gil, loader_or_url if in_place else None, settings, notes
-    )
-    bar = PhaseProgress(progress)
-    cores = (
-        float(len(os.sched_getaffinity(0)))
-        if hasattr(os, "sched_getaffinity")
-        else float(os.cpu_count() or 1)
-    )
-    if lws > 1:
-        notes.append(
-            f"measured in one process on {cores:g} cores; with {lws} ranks on the node each "
-            f"has {cores / lws:g}: the verdict's figures are predicted for that share"
-        )
-    order = _rank_order(dataset, rank, world_size, settings)
-    cold_indices = order[: COLD_BATCHES * batch_size]
-    cached = _cached_fraction(dataset, cold_indices)
-    run_cold = cached < 0.95 if cold is None else cold
-    work_dirs: list[Path] = []
     try:
-        phases: dict[str, Phase] = {}
-        warm_ds = dataset
-        if cached < 1.0 or run_cold:
-            warm_ds = _on_temporary_cache(dataset, work_dirs)
+        plan = getattr(loader_or_url, "_plan_sampler", None) if in_place else None
+        if plan is not None and rank is None and world_size is None:  # the loader's share
+            rank, world_size = plan.rank, plan.world_size
+        notes: list[str] = []
+        running = loader_or_url if in_place else None
+        the_step = _step(step, model, step_ms, step_holds_gil, running, settings, notes)
+        world = _world(rank, world_size, local_world_size)
+        bar = PhaseProgress(progress)
+        with _Diagnosis(dataset, settings, the_step, world, phase_s, bar, notes) as diagnosis:
+            diagnosis.run_phases(cold)
+            report = diagnosis.report(usd, epochs_per_day)
+            if apply:
+                report.applied = diagnosis.apply(report)
+        report.budget_s = round(time.perf_counter() - started, 3)
+        return report
+    finally:
+        if not in_place:  # the dataset this call opened
+            dataset.close()
+
+
+class _Diagnosis:
+    """One diagnosis: the samples it measures, the phases, the temporary caches they use
+    (removed on exit), the report."""
+
+    def __init__(
+        self,
+        dataset: ShardedDataset,
+        settings: dict[str, Any],
+        step: Step,
+        world: tuple[int, int, int],
+        phase_s: float,
+        progress: PhaseProgress,
+        notes: list[str],
+    ) -> None:
+        self.dataset, self.settings, self.step = dataset, settings, step
+        self.rank, self.world_size, self.lws = world
+        self.phase_s, self.bar, self.notes = phase_s, progress, notes
+        self.batch_size = int(settings.get("batch_size") or 1)
+        self.cores = (
+            float(len(os.sched_getaffinity(0)))
+            if hasattr(os, "sched_getaffinity")
+            else float(os.cpu_count() or 1)
+        )
+        if self.lws > 1:
+            notes.append(
+                f"measured in one process on {self.cores:g} cores; with {self.lws} ranks on the "
+                f"node each has {self.cores / self.lws:g}: the verdict's figures are predicted "
+                "for that share"
+            )
+        # The measured samples: this rank's first batches of epoch 0, read cold once (at
+        # most their bytes), then over and over from the warm cache.
+        order = _rank_order(dataset, self.rank, self.world_size, settings)
+        self.cold_indices = order[: COLD_BATCHES * self.batch_size]
+        self.warm_indices = measure.repeated(
+            self.cold_indices, measure.MAX_WARM_BATCHES, self.batch_size
+        )
+        self.cached = _cached_fraction(dataset, self.cold_indices)
+        self.warm_ds = dataset  # the dataset over the cache the warm phases read
+        self.phases: dict[str, Phase] = {}
+        self.work_dirs: list[Path] = []
+
+    def __enter__(self) -> _Diagnosis:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for path in self.work_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _run(
+        self,
+        name: str,
+        what: str,
+        dataset: ShardedDataset,
+        indices: list[int],
+        *,
+        settings: dict[str, Any] | None = None,
+        step: bool = True,
+        budget: float = 1.0,
+        keep_first: bool = False,
+    ) -> tuple[Phase, Any]:
+        """A phase of the loader over ``indices`` for ``budget`` phases' time."""
+        return measure.run_loader(
+            name,
+            what,
+            _loader(dataset, settings or self.settings, indices),
+            step=self.step if step else None,
+            budget_s=budget * self.phase_s,
+            progress=self.bar,
+            keep_first=keep_first,
+        )
+
+    def run_phases(self, cold: bool | None) -> None:
+        run_cold = self.cached < 0.95 if cold is None else cold
+        if self.cached < 1.0 or run_cold:
+            self.warm_ds = self._temporary_cache()
         if run_cold:
-            phases["cold"], _ = measure.run_loader(
+            self.phases["cold"], _ = self._run(
                 "cold",
-                f"loader + step from the remote into an empty cache ({len(cold_indices):,} "
-                "samples)",
-                _loader(warm_ds, settings, cold_indices),
-                step=the_step,
-                budget_s=2 * phase_s,
-                progress=bar,
+                "loader + step from the remote into an empty cache "
+                f"({len(self.cold_indices):,} samples)",
+                self.warm_ds,
+                self.cold_indices,
+                budget=2,
             )
         else:
-            phases["cold"] = Phase(
+            self.phases["cold"] = Phase(
                 "cold",
                 "loader + step from the remote into an empty cache",
                 skipped="the cache holds the measured samples (pass --cold to measure a first "
                 "epoch anyway: it reads their bytes from the remote)",
             )
-        if warm_ds is not dataset and not run_cold:
-            _stage(warm_ds, cold_indices)
-            notes.append(
-                f"staged the {len(cold_indices):,} measured samples into a temporary cache "
-                "first: your cache is left as it was"
-            )
-        warm_indices = measure.repeated(cold_indices, measure.MAX_WARM_BATCHES, batch_size)
-        phases["prep"], first = measure.run_loader(
+            if self.warm_ds is not self.dataset:
+                _stage(self.warm_ds, self.cold_indices)
+                self.notes.append(
+                    f"staged the {len(self.cold_indices):,} measured samples into a temporary "
+                    "cache first: your cache is left as it was"
+                )
+        self.phases["prep"], first = self._run(
             "prep",
             "the loader alone from a warm cache, batches taken as fast as it makes them",
-            _loader(warm_ds, settings, warm_indices),
-            step=None,
-            budget_s=phase_s,
-            progress=bar,
+            self.warm_ds,
+            self.warm_indices,
+            step=False,
             keep_first=True,
         )
-        phases["ceiling"] = measure.run_step_alone(
-            the_step, first, batch_size, budget_s=min(phase_s, 3.0), progress=bar
+        self.phases["ceiling"] = measure.run_step_alone(
+            self.step, first, self.batch_size, budget_s=min(self.phase_s, 3.0), progress=self.bar
         )
-        phases["train"], _ = measure.run_loader(
-            "train",
-            "loader + step from a warm cache",
-            _loader(warm_ds, settings, warm_indices),
-            step=the_step,
-            budget_s=phase_s,
-            progress=bar,
+        self.phases["train"], _ = self._run(
+            "train", "loader + step from a warm cache", self.warm_ds, self.warm_indices
         )
-        phases["h2d"] = measure.run_h2d(first, settings.get("device"), batch_size, budget_s=1.0)
-        del first
-        m = predict.Measured(
-            batch_size=batch_size,
-            workers=int(settings.get("num_workers") or 0),
-            prefetch=_prefetch_depth(settings),
-            cores=cores,
-            cores_per_rank=cores / lws,
+        device = self.settings.get("device")
+        self.phases["h2d"] = measure.run_h2d(first, device, self.batch_size, budget_s=1.0)
+
+    def measured(self) -> predict.Measured:
+        phases, dataset = self.phases, self.dataset
+        total = dataset.store.manifest.total_bytes
+        return predict.Measured(
+            batch_size=self.batch_size,
+            workers=int(self.settings.get("num_workers") or 0),
+            prefetch=_prefetch_depth(self.settings),
+            cores=self.cores,
+            cores_per_rank=self.cores / self.lws,
             prep=phases["prep"],
             ceiling=phases["ceiling"],
             train=phases["train"],
             cold=None if phases["cold"].skipped else phases["cold"],
             h2d=None if phases["h2d"].skipped else phases["h2d"],
-            cached_fraction=cached,
-            dataset_samples=math.ceil(len(dataset) / world_size),
-            share_bytes=dataset.store.manifest.total_bytes * lws // world_size,
+            cached_fraction=self.cached,
+            dataset_samples=math.ceil(len(dataset) / self.world_size),
+            share_bytes=total * self.lws // self.world_size,
             cache_budget=dataset.store.cache.config.max_bytes,
-            lookahead_bytes=int(settings.get("lookahead_bytes") or _default_lookahead()),
-            bytes_per_sample=dataset.store.manifest.total_bytes / max(1, len(dataset)),
-            gpus=world_size,
+            lookahead_bytes=int(self.settings.get("lookahead_bytes") or _default_lookahead()),
+            bytes_per_sample=total / max(1, len(dataset)),
+            gpus=self.world_size,
         )
-        model_fit = predict.Model(m)
+
+    def report(self, usd: Price, epochs_per_day: float | None) -> Report:
+        m = self.measured()
+        model = predict.Model(m)
         basis = predict.basis_phase(m)
-        neck = predict.bottleneck(m, model_fit, basis)
-        dali_rate = None
-        if neck == "decode" and settings.get("decode") != "dali":
-            dali_rate = _dali_rate(warm_ds, settings, warm_indices, phase_s, bar, notes)
-        fixes = (
-            []
-            if neck == "none"
-            else predict.fixes(
+        neck = predict.bottleneck(m, model, basis)
+        fixes = []
+        if neck == "none":
+            self.notes.append("nothing to fix on the data side: the step keeps the GPU busy")
+        else:
+            warm = _warm_command(self.dataset, self.rank, self.world_size, self.lws, self.settings)
+            fixes = predict.fixes(
                 m,
-                model_fit,
+                model,
                 basis,
                 usd_per_gpu_hour=usd.usd_per_gpu_hour,
-                warm_command=_warm_command(dataset, rank, world_size, lws, settings),
-                dali_rate=dali_rate,
+                warm_command=warm,
+                dali_rate=self._dali_rate() if neck == "decode" else None,
             )
-        )
-        if neck == "none":
-            notes.append("nothing to fix on the data side: the step keeps the GPU busy")
         verdict = predict.verdict(
             m,
-            model_fit,
+            model,
             basis,
             neck,
             usd_per_gpu_hour=usd.usd_per_gpu_hour,
             epochs_per_day=epochs_per_day,
         )
-        report = Report(
+        phases, dataset, per_rank = self.phases, self.dataset, self.cores / self.lws
+        return Report(
             schema=SCHEMA_VERSION,
             fastload_version=fastload.__version__,
             url=dataset.store.url,
@@ -224,52 +286,122 @@ def doctor(
                 "samples": len(dataset),
                 "bytes": dataset.store.manifest.total_bytes,
                 "format": dataset.format,
-                "cached_fraction": round(cached, 4),
-                "measured_samples": len(cold_indices),
+                "cached_fraction": round(self.cached, 4),
+                "measured_samples": len(self.cold_indices),
             },
-            loader={k: _plain(v) for k, v in settings.items()},
+            loader={k: _plain(v) for k, v in self.settings.items()},
             node={
-                "cores": cores,
-                "local_world_size": lws,
-                "world_size": world_size,
-                "rank": rank,
-                "cores_per_rank": round(cores / lws, 3),
-                "loader_cores_beside_step": round(max(0.0, cores / lws - model_fit.step_cores), 3),
-                "device": _plain(settings.get("device")),
+                "cores": self.cores,
+                "local_world_size": self.lws,
+                "world_size": self.world_size,
+                "rank": self.rank,
+                "cores_per_rank": round(per_rank, 3),
+                "loader_cores_beside_step": round(max(0.0, per_rank - model.step_cores), 3),
+                "device": _plain(self.settings.get("device")),
             },
             step={
-                **the_step.to_dict(),
+                **self.step.to_dict(),
                 "alone_ms": round((phases["ceiling"].step_s or 0) * 1000, 3),
                 "beside_loader_ms": round((phases["train"].step_s or 0) * 1000, 3),
-                "cores": round(model_fit.step_cores, 3),
+                "cores": round(model.step_cores, 3),
             },
-            price={**usd.to_dict(), "gpus": world_size},
+            price={**usd.to_dict(), "gpus": self.world_size},
             phases=phases,
             bottleneck=neck,
             verdict=verdict,
             fixes=fixes,
-            notes=notes,
+            notes=self.notes,
         )
-        if apply:
-            report.applied = _apply(
-                report,
-                dataset,
-                warm_ds,
-                settings,
-                the_step,
-                cold_indices,
-                warm_indices,
-                phase_s,
-                bar,
-                work_dirs,
+
+    def _dali_rate(self) -> float | None:
+        """The loader alone with DALI decoding on the GPU: what decode="dali" would deliver;
+        None (with a note) where there is no GPU or no DALI to measure it."""
+        from fastload.decode import cuda_available, dali_installed
+
+        if self.settings.get("decode") == "dali":
+            return None
+        device = str(self.settings.get("device") or "")
+        if not (device.startswith("cuda") and cuda_available() and dali_installed()):
+            self.notes.append(
+                "decoding binds: on a GPU node decode='dali' moves it to the GPU (nvJPEG); run "
+                "the doctor there with --device cuda to measure it"
+                + ("" if dali_installed() else " (pip install 'fastload[dali]')")
             )
-        report.budget_s = round(time.perf_counter() - started, 3)
-        return report
-    finally:
-        for path in work_dirs:
-            shutil.rmtree(path, ignore_errors=True)
-        if not in_place:  # the dataset this call opened
-            dataset.close()
+            return None
+        phase, _ = self._run(
+            "dali",
+            "the loader alone with decode='dali'",
+            self.warm_ds,
+            self.warm_indices,
+            settings={**self.settings, "decode": "dali"},
+            step=False,
+            budget=0.5,
+        )
+        return phase.samples_per_s
+
+    def apply(self, report: Report) -> Applied | None:
+        """Re-measures with the top fix that can run here, as the figure it improves was."""
+        fix = next((f for f in report.fixes if f.applicable), None)
+        if fix is None:
+            why = (
+                f" (the top one, {report.fixes[0].name}, needs the node changed)"
+                if report.fixes
+                else ""
+            )
+            report.notes.append(f"--apply: no fix to apply here{why}")
+            return None
+        changed = {
+            **self.settings,
+            **{k: v for k, v in fix.change.items() if k in _LOADER_SETTINGS},
+        }
+        if fix.name == "warm":
+            target, indices, budget = self._temporary_cache(), self.warm_indices, 1.0
+            _stage(target, self.cold_indices)
+            what = "after warming the measured samples"
+        elif fix.name == "lookahead_bytes":
+            target, indices, budget = self._temporary_cache(), self.cold_indices, 2.0
+            what = "from the remote into an empty cache"
+        else:
+            target, indices, budget = self.warm_ds, self.warm_indices, 1.0
+            what = "from a warm cache"
+        phase, _ = self._run(
+            "applied",
+            f"loader + step {what}, with {fix.name} changed ({fix.change})",
+            target,
+            indices,
+            settings=changed,
+            budget=budget,
+        )
+        ceiling = report.phases["ceiling"].step_s or 0.0
+        batch_s = self.batch_size / max(phase.samples_per_s, 1e-9)
+        return Applied(
+            fix=fix.name,
+            change=dict(fix.change),
+            predicted_samples_per_s=fix.predicted_samples_per_s,
+            measured_samples_per_s=phase.samples_per_s,
+            predicted_utilization=fix.predicted_utilization,
+            measured_utilization=round(min(1.0, ceiling / batch_s), 4),
+            error=round(phase.samples_per_s / max(fix.predicted_samples_per_s, 1e-9) - 1, 4),
+            phase=phase,
+        )
+
+    def _temporary_cache(self) -> ShardedDataset:
+        """The dataset over an empty temporary cache beside the user's (the same disk), with
+        the same listing: nothing the user's cache holds is touched."""
+        import copy
+
+        parent = self.dataset.store.cache.dir.parent
+        try:
+            where = Path(tempfile.mkdtemp(prefix="fastload-doctor-", dir=parent))
+        except OSError:
+            where = Path(tempfile.mkdtemp(prefix="fastload-doctor-"))
+        self.work_dirs.append(where)
+        config = dataclasses.replace(
+            self.dataset.store.config, cache_dir=str(where), max_bytes=None, refresh=False
+        )
+        clone = copy.copy(self.dataset)
+        clone.store = CachedStore(config, manifest=self.dataset.store.manifest)
+        return clone
 
 
 def _target(
@@ -412,25 +544,6 @@ def _cached_fraction(dataset: ShardedDataset, indices: list[int]) -> float:
     return sum(p is not None for p in located) / max(1, len(keys))
 
 
-def _on_temporary_cache(dataset: ShardedDataset, work_dirs: list[Path]) -> ShardedDataset:
-    """The dataset over an empty temporary cache beside the user's (the same disk), with the
-    same listing: nothing the user's cache holds is touched."""
-    import copy
-
-    parent = dataset.store.cache.dir.parent
-    try:
-        where = Path(tempfile.mkdtemp(prefix="fastload-doctor-", dir=parent))
-    except OSError:
-        where = Path(tempfile.mkdtemp(prefix="fastload-doctor-"))
-    work_dirs.append(where)
-    config = dataclasses.replace(
-        dataset.store.config, cache_dir=str(where), max_bytes=None, refresh=False
-    )
-    clone = copy.copy(dataset)
-    clone.store = CachedStore(config, manifest=dataset.store.manifest)
-    return clone
-
-
 def _stage(dataset: ShardedDataset, indices: list[int]) -> None:
     shards = list(dict.fromkeys(dataset.shard_of(i) for i in indices))
     dataset.warm(shards)
@@ -440,37 +553,6 @@ def _loader(dataset: ShardedDataset, settings: dict[str, Any], indices: list[int
     from fastload.loader import DataLoader
 
     return DataLoader(dataset, sampler=indices, **settings)
-
-
-def _dali_rate(
-    dataset: ShardedDataset,
-    settings: dict[str, Any],
-    indices: list[int],
-    phase_s: float,
-    bar: PhaseProgress,
-    notes: list[str],
-) -> float | None:
-    """The loader alone with DALI decoding on the GPU: what decode="dali" would deliver;
-    None (with a note) where there is no GPU or no DALI to measure it."""
-    from fastload.decode import cuda_available, dali_installed
-
-    device = str(settings.get("device") or "")
-    if not (device.startswith("cuda") and cuda_available() and dali_installed()):
-        notes.append(
-            "decoding binds: on a GPU node decode='dali' moves it to the GPU (nvJPEG); run "
-            "the doctor there with --device cuda to measure it"
-            + ("" if dali_installed() else " (pip install 'fastload[dali]')")
-        )
-        return None
-    phase, _ = measure.run_loader(
-        "dali",
-        "the loader alone with decode='dali'",
-        _loader(dataset, {**settings, "decode": "dali"}, indices),
-        step=None,
-        budget_s=phase_s / 2,
-        progress=bar,
-    )
-    return phase.samples_per_s
 
 
 def _prefetch_depth(settings: dict[str, Any]) -> int:
@@ -505,60 +587,3 @@ def _plain(value: Any) -> Any:
     if isinstance(size, int):  # a decode preset: TrainPreset(224) -> "train(224)"
         return f"{type(value).__name__.removesuffix('Preset').lower()}({size})"
     return str(value)
-
-
-def _apply(
-    report: Report,
-    dataset: ShardedDataset,
-    warm_ds: ShardedDataset,
-    settings: dict[str, Any],
-    step: Step,
-    cold_indices: list[int],
-    warm_indices: list[int],
-    phase_s: float,
-    bar: PhaseProgress,
-    work_dirs: list[Path],
-) -> Applied | None:
-    """Re-measures with the top fix that can run here, as the figure it improves was."""
-    fix = next((f for f in report.fixes if f.applicable), None)
-    if fix is None:
-        report.notes.append(
-            "--apply: no fix to apply here"
-            + (
-                f" (the top one, {report.fixes[0].name}, needs the node changed)"
-                if report.fixes
-                else ""
-            )
-        )
-        return None
-    changed = {**settings, **{k: v for k, v in fix.change.items() if k in _LOADER_SETTINGS}}
-    if fix.name == "warm":
-        target = _on_temporary_cache(dataset, work_dirs)
-        _stage(target, cold_indices)
-        indices, budget, what = warm_indices, phase_s, "after warming the measured samples"
-    elif fix.name == "lookahead_bytes":
-        target = _on_temporary_cache(dataset, work_dirs)
-        indices, budget, what = cold_indices, 2 * phase_s, "from the remote into an empty cache"
-    else:
-        target, indices, budget, what = warm_ds, warm_indices, phase_s, "from a warm cache"
-    phase, _ = measure.run_loader(
-        "applied",
-        f"loader + step {what}, with {fix.name} changed ({fix.change})",
-        _loader(target, changed, indices),
-        step=step,
-        budget_s=budget,
-        progress=bar,
-    )
-    ceiling = report.phases["ceiling"].step_s or 0.0
-    batch_s = report.loader.get("batch_size", 1) / max(phase.samples_per_s, 1e-9)
-    measured_util = min(1.0, ceiling / batch_s) if batch_s > 0 else 0.0
-    return Applied(
-        fix=fix.name,
-        change=dict(fix.change),
-        predicted_samples_per_s=fix.predicted_samples_per_s,
-        measured_samples_per_s=phase.samples_per_s,
-        predicted_utilization=fix.predicted_utilization,
-        measured_utilization=round(measured_util, 4),
-        error=round(phase.samples_per_s / max(fix.predicted_samples_per_s, 1e-9) - 1, 4),
-        phase=phase,
-    )
