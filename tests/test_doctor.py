@@ -71,6 +71,7 @@ def test_a_slow_remote_with_a_cold_cache_waits_on_fetching_and_the_fix_is_warmin
             num_workers=2,
             transform=small_preset(),
             gpu="T4",
+            max_bytes=1_000_000,  # a budget far below the dataset
             **QUICK,
         )
         secrets = [str(v) for k, v in _flat(server.storage_options) if "secret" in k or "key" in k]
@@ -83,6 +84,10 @@ def test_a_slow_remote_with_a_cold_cache_waits_on_fetching_and_the_fix_is_warmin
     assert top.command.startswith("fastload warm s3://data/ds")
     assert "--rank 0 --world-size 1 --epochs 0" in top.command
     assert top.predicted_samples_per_s == pytest.approx(report.phases["train"].samples_per_s)
+    budget = next(f for f in report.fixes if f.name == "max_bytes")
+    assert budget.change == {"max_bytes": report.dataset["bytes"]}  # one node: all of it
+    assert not budget.applicable
+    assert "cache budget (1.0 MB)" in budget.why
     # The cold phase reads the bytes of the samples it measures, no more.
     measured = sorted(jpegs.rglob("*.jpg"))[: report.dataset["measured_samples"]]
     assert report.dataset["measured_samples"] == SAMPLES  # 6 batches: all of them

@@ -235,15 +235,15 @@ def fixes(
     if m.cache_budget is not None and m.share_bytes > m.cache_budget and m.cold is not None:
         hit = m.cache_budget / m.share_bytes
         cold_s = model.B / max(m.cold.samples_per_s, 1e-9)
-        epoch_s = hit * model.measured_s + (1 - hit) * cold_s
+        # Each epoch reads the share the budget holds warm and fetches the rest.
+        epochs_s = hit * model.measured_s + (1 - hit) * cold_s
         f = _fix(
             "max_bytes",
             {"max_bytes": m.share_bytes},
-            f"the cache budget "
-            f"({m.cache_budget / 1e9:,.1f} GB) holds {hit:.0%} of this node's share "
-            f"({m.share_bytes / 1e9:,.1f} GB): every epoch fetches the rest again",
+            f"the cache budget ({_size(m.cache_budget)}) holds {hit:.0%} of this node's "
+            f"share ({_size(m.share_bytes)}): every epoch fetches the rest again",
             model.measured_s,
-            epoch_s,
+            epochs_s,
             model,
             m,
             usd_per_gpu_hour,
@@ -304,11 +304,21 @@ def fixes(
     found = [f for f in found if f.gain >= MIN_GAIN]
     found.sort(key=lambda f: (-f.gain, not f.applicable))
     if fetch_bound:  # then what binds once the cache is warm, and its fixes
+        listed = {f.name for f in found}
         for f in fixes(m, model, m.train, usd_per_gpu_hour=usd_per_gpu_hour, warm_command=""):
+            if f.name in listed:
+                continue
             f.why = f"once warm: {f.why}"
             f.gain = round(now_s / (model.B / f.predicted_samples_per_s), 4)
             found.append(f)
     return found
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def _fix(
