@@ -388,12 +388,10 @@ def doctor_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.spot_discount is not None:
         settings["spot_discount"] = args.spot_discount
+    if args.step_holds_gil and args.model is not None:
+        raise UsageError("--step-holds-gil goes with --step-ms; a --model step is what it is")
     if args.step_ms is None and args.model is None:
         settings["step_ms"] = DEFAULT_DOCTOR_STEP_MS
-    if args.step_holds_gil and args.step_ms is None and args.model is None:
-        pass  # the default step, holding the GIL
-    elif args.step_holds_gil and args.model is not None:
-        raise UsageError("--step-holds-gil goes with --step-ms; a --model step is what it is")
     keep = {"cache_dir", "max_bytes", "rank", "world_size", "local_world_size", "price"}
     return {k: v for k, v in settings.items() if v is not None or k in keep}
 

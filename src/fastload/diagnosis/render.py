@@ -177,10 +177,10 @@ def _headline(report: Report) -> list[str]:
 
 def _price_text(report: Report) -> str:
     price = report.price
-    gpu = price.get("gpu") or report.node.get("gpu") or "GPU"
     hourly = price.get("usd_per_gpu_hour")
     if hourly is None:
-        return f"{gpu}, no GPU price: costs not shown"
+        return "no GPU price (--gpu or --price): costs not shown"
+    gpu = price.get("gpu") or report.node.get("gpu") or "GPU"
     text = f"{gpu} at {_usd(float(hourly))}/GPU-hour"
     if price.get("spot"):
         text += " spot"
