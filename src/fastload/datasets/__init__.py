@@ -1,4 +1,4 @@
-"""Datasets over what users already have: file folders, tar shards, Zarr arrays.
+"""Datasets over what users already have: file folders, tar shards, Zarr arrays, Parquet.
 
 ``open_dataset(url, format="auto")`` decides the format from the listing and says what it
 decided (``dataset.format``, ``dataset.format_reason``, and a log line).
@@ -28,7 +28,8 @@ from fastload.store import CachedStore, StoreConfig
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", "imagefolder", "files", "tar", "zarr")
+FORMATS = ("auto", "imagefolder", "files", "tar", "zarr", "parquet")
+_NOTE_SUFFIXES = (b".md", b".json", b".txt", b".yaml", b".yml", b"tributes", b"LICENSE")
 
 
 def _opener(fmt: str) -> Callable[..., ShardedDataset]:
@@ -44,6 +45,10 @@ def _opener(fmt: str) -> Callable[..., ShardedDataset]:
         from fastload.datasets.zarr import ZarrDataset
 
         return ZarrDataset
+    if fmt == "parquet":
+        from fastload.datasets.parquet import ParquetDataset
+
+        return ParquetDataset
     raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
@@ -68,10 +73,17 @@ def _detect(manifest: Manifest) -> tuple[str, str]:
     indexes = sum(manifest.index_of(name) >= 0 for name in (INDEX_NAME, WIDS_INDEX_NAME))
     if tars and tars * 2 >= len(manifest) - indexes:
         return "tar", f"{tars} of {len(manifest)} objects are .tar shards"
+    parquets = int(ends_with(tails, [b".parquet"]).sum())
+    # A Hub dataset's README.md, .gitattributes and JSON beside its files are not samples.
+    notes = int(ends_with(tails, _NOTE_SUFFIXES).sum())
+    if parquets and parquets * 2 >= len(manifest) - notes:
+        return "parquet", f"{parquets} of {len(manifest)} objects are .parquet files"
+    if len(manifest) == 1 and manifest.key(0) == "" and manifest.url.endswith(".parquet"):
+        return "parquet", "the URL names a .parquet file"
     images = with_extension(manifest, IMAGE_EXTENSIONS)
     if images.any() and (first[images] >= 0).all():
         return "imagefolder", "images sit in class folders one level or more below the root"
-    return "files", "no Zarr metadata, tar shards or class folders of images"
+    return "files", "no Zarr metadata, tar shards, Parquet files or class folders of images"
 
 
 def _objects(keys: Iterable[str]) -> list[RemoteObject]:

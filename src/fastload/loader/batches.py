@@ -25,6 +25,7 @@ from torch.utils.data import default_collate
 from fastload.cache import Location
 from fastload.datasets.base import Range, ShardedDataset
 from fastload.datasets.folder import FileDataset, ImageFolderDataset
+from fastload.datasets.parquet import ParquetDataset
 from fastload.datasets.tar import TarDataset
 from fastload.decode import DecodeError, Decoder
 from fastload.errors import FastloadError
@@ -56,6 +57,8 @@ def _range_pool() -> ThreadPoolExecutor:
 
 
 def decodable(dataset: object) -> bool:
+    if isinstance(dataset, ParquetDataset):
+        return dataset.image_column is not None
     return isinstance(dataset, FileDataset | TarDataset)
 
 
@@ -388,6 +391,15 @@ class BatchBuilder:
                 text = bytes(label).decode("utf-8", "replace").strip()
                 label = int(text) if text.lstrip("-").isdigit() else text
             return image, label
+        if isinstance(ds, ParquetDataset) and ds.image_column is not None:
+            image = sample[ds.image_column]
+            if image is None:
+                key, group, row = ds.where(index)
+                raise DecodeError(
+                    f"sample {index} (row {row} of row group {group} of "
+                    f"{ds.store.object_url(key)}) has no image: its {ds.image_column!r} is null"
+                )
+            return image, None if ds.label_column is None else sample[ds.label_column]
         return sample, None
 
     def _name(self, index: int) -> str:

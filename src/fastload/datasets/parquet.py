@@ -1,0 +1,576 @@
+"""Parquet files, read row group by row group through fastload's cache.
+
+The dataset's objects are the ``.parquet`` files under the URL (in key order; other objects
+such as ``README.md`` are ignored); its shards are their row groups, and sample ``i`` is
+one row as a dict of column values::
+
+    train-00000.parquet                    dataset
+      row group 0: rows 0..999     ──►  shard 0: [0] {"image": b"\\xff\\xd8..", "label": 3}
+      row group 1: rows 1000..1999 ──►  shard 1 ...
+    train-00001.parquet
+      row group 0 ...              ──►  shard 2 ...
+
+Opening reads only each file's footer, as two byte ranges through the cache (its last 8
+bytes: the footer's length and ``PAR1``; then the footer), many files at once. A row
+group is read as the byte ranges of its column chunks (cached as range entries, or cut
+from the whole file where the cache holds it), decoded by pyarrow, and kept in a small
+per-process LRU bounded by bytes, so consecutive rows decode it once.
+
+Values: binary as ``bytes``; the image column as its bytes (a Hugging Face ``Image``
+struct ``{bytes, path}`` gives its ``bytes``); the label column as an int (a dictionary-
+encoded one as its index); nulls as None; other columns as pyarrow's ``as_py`` gives them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fastload.datasets.base import DatasetError, ShardedDataset
+from fastload.errors import MissingBackendError
+from fastload.store import CachedStore
+
+DEFAULT_ROW_GROUP_CACHE_BYTES = 256 << 20
+_MAGIC = b"PAR1"
+_TAIL = 8  # the footer's length (uint32, little-endian) and the magic
+_OPEN_THREADS = 16
+# Column chunks of a row group closer than this are read as one range (what lies between
+# is columns left out by ``columns=``).
+_MAX_GAP_BYTES = 1 << 20
+_ENTRY_OVERHEAD_BYTES = 256
+IMAGE_NAMES = ("image", "img", "jpg", "jpeg", "png")
+LABEL_NAMES = ("label", "labels", "cls", "target")
+
+
+def _pyarrow() -> tuple[Any, Any]:
+    """(pyarrow, pyarrow.parquet), or an error saying what to install."""
+    try:
+        pyarrow = importlib.import_module("pyarrow")
+        parquet = importlib.import_module("pyarrow.parquet")
+    except ImportError as e:
+        raise MissingBackendError(
+            "reading Parquet needs pyarrow: pip install 'fastload[parquet]' (or pip install "
+            "pyarrow)"
+        ) from e
+    return pyarrow, parquet
+
+
+@dataclass(frozen=True)
+class _File:
+    """One Parquet file: where its footer is, and its row groups' rows and byte spans."""
+
+    key: str
+    size: int
+    footer_length: int
+    rows: tuple[int, ...]  # per row group
+
+
+class DecodedRowGroups:
+    """An LRU of decoded row groups (columns as Python lists), bounded by bytes, private to
+    one process: it pickles to its budget only and empties itself after a fork."""
+
+    def __init__(self, max_bytes: int = DEFAULT_ROW_GROUP_CACHE_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(
+                f"row_group_cache_bytes must be >= 0 (0 turns it off), got {max_bytes}"
+            )
+        self.max_bytes = max_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[int, int], tuple[dict[str, list[Any]], int]] = OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __reduce__(self) -> tuple[type[DecodedRowGroups], tuple[int]]:
+        return (type(self), (self.max_bytes,))
+
+    def get(self, key: tuple[int, int], *, count: bool = True) -> dict[str, list[Any]] | None:
+        """The entry of key, counted as a hit or a miss unless ``count`` is False."""
+        if self._pid != os.getpid():
+            self._reset()
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += count
+                return None
+            self._items.move_to_end(key)
+            self.hits += count
+            return item[0]
+
+    def put(self, key: tuple[int, int], value: dict[str, list[Any]], nbytes: int) -> None:
+        if nbytes > self.max_bytes:
+            return  # larger than the whole budget: keeping it would only evict the rest
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            self._items[key] = (value, nbytes)
+            self.nbytes += nbytes
+            while self.nbytes > self.max_bytes:
+                _, (_, n) = self._items.popitem(last=False)
+                self.nbytes -= n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.nbytes = self.hits = self.misses = 0
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "entries": len(self._items),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+        }
+
+
+class ParquetDataset(ShardedDataset):
+    """Rows of the ``.parquet`` files under a URL; shards are row groups (module docstring).
+
+    ``columns`` picks the columns a sample holds (default: all). ``image_column`` names the
+    image column (default: a struct column with a binary ``bytes`` field, the Hugging Face
+    ``Image`` feature, else a binary column named image/img/jpg/jpeg/png; None if there is
+    none); ``label_column`` the label (default: an integer or dictionary column named
+    label/labels/cls/target). With an image column, ``fl.DataLoader(ds, decode=...)``
+    gives ``(images, labels)`` batches. ``row_group_cache_bytes`` bounds the per-process
+    cache of decoded row groups (0 turns it off).
+    """
+
+    format = "parquet"
+
+    def __init__(
+        self,
+        store: CachedStore,
+        *,
+        columns: Sequence[str] | None = None,
+        image_column: str | None = None,
+        label_column: str | None = None,
+        row_group_cache_bytes: int = DEFAULT_ROW_GROUP_CACHE_BYTES,
+    ) -> None:
+        if isinstance(columns, str) or (columns is not None and not columns):
+            raise ValueError(
+                f"columns must be a non-empty list of column names such as ['image', "
+                f"'label'], got {columns!r}"
+            )
+        _pyarrow()
+        self.decoded = DecodedRowGroups(row_group_cache_bytes)
+        keys = _parquet_keys(store)
+        metas = _read_footers(store, keys)
+        files = [
+            _File(
+                k,
+                _size(store, k),
+                n,
+                tuple(md.row_group(i).num_rows for i in range(md.num_row_groups)),
+            )
+            for k, (md, n) in zip(keys, metas, strict=True)
+        ]
+        self.files = files
+        self._metadata: list[Any] | None = [md for md, _ in metas]
+        schemas = [md.schema.to_arrow_schema() for md, _ in metas]
+        first = schemas[0]
+        for name in (*(columns or ()), image_column, label_column):
+            if name is not None:
+                _require(store, keys[0], first, name)
+        chosen = list(dict.fromkeys(columns)) if columns is not None else list(first.names)
+        self.image_column = (
+            image_column if image_column is not None else _detect_image(first, chosen)
+        )
+        self.label_column = (
+            label_column if label_column is not None else _detect_label(first, chosen)
+        )
+        for extra in (self.image_column, self.label_column):
+            if extra is not None and extra not in chosen:
+                chosen.append(extra)
+        self.columns: tuple[str, ...] = tuple(chosen)
+        if self.image_column is not None:
+            _check_image(store, keys[0], first, self.image_column)
+        self._image_bytes = (
+            self.image_column is not None
+            and _image_field(first.field(self.image_column).type) is not None
+        )
+        wanted = [first.field(c) for c in self.columns]
+        for key, schema in zip(keys[1:], schemas[1:], strict=True):
+            for name in self.columns:
+                _require(store, key, schema, name)
+            theirs = [schema.field(c) for c in self.columns]
+            if not all(a.equals(b) for a, b in zip(wanted, theirs, strict=True)):
+                differ = next(
+                    f"{a} there, {b} here"
+                    for a, b in zip(wanted, theirs, strict=True)
+                    if not a.equals(b)
+                )
+                raise DatasetError(
+                    f"{store.object_url(key)} and {store.object_url(keys[0])} have different "
+                    f"schemas (column {differ}); a dataset's Parquet files must share one "
+                    "schema: pick the columns they share with columns=[...], or open them apart"
+                )
+        # Shards: the row groups that hold rows, file by file.
+        shard_file, shard_group, sizes = [], [], []
+        for f, file in enumerate(files):
+            for g, rows in enumerate(file.rows):
+                if rows:
+                    shard_file.append(f)
+                    shard_group.append(g)
+                    sizes.append(rows)
+        if not sizes:
+            raise DatasetError(
+                f"{store.url} holds no rows: its {len(files)} Parquet file(s) have no row "
+                "groups with rows"
+            )
+        self._shard_file: npt.NDArray[np.int32] = np.asarray(shard_file, dtype=np.int32)
+        self._shard_group: npt.NDArray[np.int32] = np.asarray(shard_group, dtype=np.int32)
+        self._lock = threading.Lock()
+        self._reading: dict[tuple[int, int], threading.Lock] = {}
+        super().__init__(store, sizes, [[files[f].key] for f in shard_file])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"], state["_reading"]
+        state["_metadata"] = None  # re-read from the cache where needed (footers are ranges)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._reading = {}
+
+    # --- samples ---------------------------------------------------------------------------
+
+    def where(self, index: int) -> tuple[str, int, int]:
+        """(file key, row group, row within it) of sample index."""
+        index = self._check(int(index))
+        s = self.shard_of(index)
+        f = int(self._shard_file[s])
+        return self.files[f].key, int(self._shard_group[s]), index - int(self.shard_offsets[s])
+
+    def _load(self, index: int) -> Any:
+        s = self.shard_of(index)
+        f, g = int(self._shard_file[s]), int(self._shard_group[s])
+        row = index - int(self.shard_offsets[s])
+        group = self._row_group(f, g)
+        return {name: values[row] for name, values in group.items()}
+
+    def _row_group(self, f: int, g: int) -> dict[str, list[Any]]:
+        cached = self.decoded.get((f, g))
+        if cached is not None:
+            return cached
+        with self._lock:
+            reading = self._reading.setdefault((f, g), threading.Lock())
+        with reading:  # one thread decodes a row group; others wait for it
+            cached = self.decoded.get((f, g), count=False)
+            if cached is None:
+                cached, nbytes = self._decode(f, g)
+                self.decoded.put((f, g), cached, nbytes)
+            return cached
+
+    def _decode(self, f: int, g: int) -> tuple[dict[str, list[Any]], int]:
+        _, pq = _pyarrow()
+        file = self.files[f]
+        md = self.metadata(f)
+        source = _RangeFile(self.store, file.key, file.size)
+        names = self.columns
+        rg = md.row_group(g)
+        spans = []
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            path = chunk.path_in_schema
+            if any(path == n or path.startswith(n + ".") for n in names):
+                spans.append(_chunk_span(chunk))
+        source.prefetch(_coalesce(spans))
+        url = self.store.object_url(file.key)
+        try:
+            table = pq.ParquetFile(source, metadata=md).read_row_group(
+                g, columns=list(self.columns), use_threads=False
+            )
+        except DatasetError:
+            raise
+        except Exception as e:
+            raise DatasetError(
+                f"{url}: row group {g} cannot be read ({type(e).__name__}: {e}); the file is "
+                "damaged or changed since the dataset was opened: open it again with "
+                "refresh=True, else rewrite the file"
+            ) from e
+        out = {name: self._values(table.column(name), name) for name in self.columns}
+        return out, int(table.nbytes) + _ENTRY_OVERHEAD_BYTES * (1 + table.num_rows)
+
+    def _values(self, column: Any, name: str) -> list[Any]:
+        pa, _ = _pyarrow()
+        values: list[Any] = []
+        for chunk in column.chunks:
+            if name == self.image_column and self._image_bytes:
+                field = _image_field(chunk.type)
+                values += chunk.flatten()[field].to_pylist()  # flatten: nulls of the struct
+            elif name == self.label_column and pa.types.is_dictionary(chunk.type):
+                values += chunk.indices.to_pylist()
+            else:
+                values += chunk.to_pylist()
+        return values
+
+    def metadata(self, f: int) -> Any:
+        """pyarrow's ``FileMetaData`` of file f (its footer, read again from the cache in a
+        process the dataset was pickled to)."""
+        if self._metadata is None:
+            with self._lock:
+                if self._metadata is None:
+                    self._metadata = [None] * len(self.files)
+        md = self._metadata[f]
+        if md is None:
+            file = self.files[f]
+            md = self._metadata[f] = _parse_footer(
+                self.store, file.key, file.size, file.footer_length
+            )
+        return md
+
+
+# --- opening -------------------------------------------------------------------------------
+
+
+def _parquet_keys(store: CachedStore) -> list[str]:
+    keys = store.object_keys()
+    if keys == [""] and store.url.endswith(".parquet"):
+        return keys  # the URL names one file
+    files = sorted(k for k in keys if k.endswith(".parquet"))
+    if not files:
+        raise DatasetError(
+            f"{store.url} holds no .parquet files ({len(keys)} objects, e.g. {keys[:3]}); "
+            "pick another format= (files, imagefolder, tar, zarr)"
+        )
+    return files
+
+
+def _size(store: CachedStore, key: str) -> int:
+    size = store.object(key).size
+    if size is None:
+        raise DatasetError(
+            f"{store.object_url(key)}: the listing gives no size, and a Parquet file is read "
+            "from its end; serve it with its size (Content-Length)"
+        )
+    return size
+
+
+def _read_footers(store: CachedStore, keys: list[str]) -> list[tuple[Any, int]]:
+    """(FileMetaData, footer length) of each file, read as byte ranges on a few threads."""
+    store.stager  # noqa: B018  # made once here, not by each thread
+    if len(keys) == 1:
+        return [_open_footer(store, keys[0])]
+    with ThreadPoolExecutor(
+        min(_OPEN_THREADS, len(keys)), thread_name_prefix="fastload-parquet"
+    ) as pool:
+        return list(pool.map(lambda k: _open_footer(store, k), keys))
+
+
+def _open_footer(store: CachedStore, key: str) -> tuple[Any, int]:
+    size = _size(store, key)
+    url = store.object_url(key)
+    if size < len(_MAGIC) + _TAIL:
+        raise DatasetError(
+            f"{url} has {size} bytes, too few for a Parquet file; it is truncated or not "
+            "Parquet: rewrite it or remove it from the dataset"
+        )
+    tail = store.read_range(key, size - _TAIL, _TAIL)
+    length, magic = struct.unpack("<I4s", tail)
+    if magic != _MAGIC:
+        what = (
+            "is encrypted (PARE)"
+            if magic == b"PARE"
+            else f"does not end with the Parquet magic PAR1 (ends with {magic!r})"
+        )
+        raise DatasetError(
+            f"{url} {what}; it is truncated or not a (plain) Parquet file: rewrite it or "
+            "remove it from the dataset"
+        )
+    if length + _TAIL + len(_MAGIC) > size:
+        raise DatasetError(
+            f"{url}: its footer is {length} bytes long, more than the file's {size} bytes "
+            "hold; the file is truncated or damaged: rewrite it"
+        )
+    return _parse_footer(store, key, size, length), length
+
+
+def _parse_footer(store: CachedStore, key: str, size: int, length: int) -> Any:
+    pa, pq = _pyarrow()
+    url = store.object_url(key)
+    footer = store.read_range(key, size - _TAIL - length, length)
+    tail = struct.pack("<I", length) + _MAGIC
+    try:  # the footer alone, framed as a file of its own: pyarrow parses only the footer
+        md = pq.read_metadata(pa.BufferReader(_MAGIC + footer + tail))
+    except Exception as e:
+        raise DatasetError(
+            f"{url}: its footer cannot be parsed ({type(e).__name__}: {e}); the file is "
+            "damaged: rewrite it"
+        ) from e
+    data_end = size - _TAIL - length
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            start, end = _chunk_span(chunk)
+            if start < 0 or end > data_end:
+                raise DatasetError(
+                    f"{url}: row group {g} column {chunk.path_in_schema!r} ends at byte "
+                    f"{end}, past the data ({data_end} bytes); the file is truncated or "
+                    "damaged: rewrite it"
+                )
+    return md
+
+
+def _chunk_span(chunk: Any) -> tuple[int, int]:
+    """(start, end) of a column chunk's pages in its file (its dictionary page first)."""
+    start = chunk.data_page_offset
+    if chunk.has_dictionary_page and 0 < chunk.dictionary_page_offset < start:
+        start = chunk.dictionary_page_offset
+    return int(start), int(start + chunk.total_compressed_size)
+
+
+def _coalesce(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start, end) spans sorted and merged where they overlap or lie close."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1] + _MAX_GAP_BYTES:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+# --- columns -------------------------------------------------------------------------------
+
+
+def _require(store: CachedStore, key: str, schema: Any, name: str) -> None:
+    if schema.get_field_index(name) < 0:
+        raise DatasetError(
+            f"{store.object_url(key)} has no column {name!r}; its columns are "
+            f"{', '.join(schema.names)}: name one of them (columns=, image_column=, "
+            "label_column=)"
+        )
+
+
+def _image_field(kind: Any) -> int | None:
+    """The index of the binary ``bytes`` field of an image struct type, else None."""
+    pa, _ = _pyarrow()
+    if not pa.types.is_struct(kind):
+        return None
+    i = kind.get_field_index("bytes")
+    if i < 0 or not _is_binary(kind.field(i).type):
+        return None
+    return int(i)
+
+
+def _is_binary(kind: Any) -> bool:
+    pa, _ = _pyarrow()
+    return bool(
+        pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_fixed_size_binary(kind)
+        or (hasattr(pa.types, "is_binary_view") and pa.types.is_binary_view(kind))
+    )
+
+
+def _detect_image(schema: Any, names: list[str]) -> str | None:
+    for name in names:
+        if _image_field(schema.field(name).type) is not None:
+            return name
+    for name in names:
+        if name.lower() in IMAGE_NAMES and _is_binary(schema.field(name).type):
+            return name
+    return None
+
+
+def _detect_label(schema: Any, names: list[str]) -> str | None:
+    pa, _ = _pyarrow()
+    for name in names:
+        kind = schema.field(name).type
+        if name.lower() in LABEL_NAMES and (
+            pa.types.is_integer(kind) or pa.types.is_dictionary(kind)
+        ):
+            return name
+    return None
+
+
+def _check_image(store: CachedStore, key: str, schema: Any, name: str) -> None:
+    kind = schema.field(name).type
+    if _image_field(kind) is None and not _is_binary(kind):
+        raise DatasetError(
+            f"{store.object_url(key)}: column {name!r} is {kind}, not an image (binary, or a "
+            "struct with a binary 'bytes' field); name the image column with image_column="
+        )
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+class _RangeFile(io.RawIOBase):
+    """A Parquet file as a seekable file for pyarrow: reads within the spans fetched by
+    :meth:`prefetch` come from them, others are ``store.read_range`` calls (cached as range
+    entries, or cut from the whole file where it is cached)."""
+
+    def __init__(self, store: CachedStore, key: str, size: int) -> None:
+        self._store, self._key, self._size = store, key, size
+        self._pos = 0
+        self._spans: list[tuple[int, bytes]] = []
+
+    def prefetch(self, spans: Sequence[tuple[int, int]]) -> None:
+        self._spans = [(s, self._store.read_range(self._key, s, e - s)) for s, e in spans]
+        for (start, end), (_, data) in zip(spans, self._spans, strict=True):
+            if len(data) != end - start:
+                raise DatasetError(
+                    f"{self._store.object_url(self._key)}: read {len(data)} bytes at offset "
+                    f"{start}, expected {end - start}; the file changed since the dataset was "
+                    "opened: open it again with refresh=True"
+                )
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            offset += self._size
+        elif whence == io.SEEK_CUR:
+            offset += self._pos
+        self._pos = max(offset, 0)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        if end <= self._pos:
+            return b""
+        start = self._pos
+        for at, data in self._spans:
+            if at <= start and end <= at + len(data):
+                out = data[start - at : end - at]
+                break
+        else:
+            out = self._store.read_range(self._key, start, end - start)
+        self._pos += len(out)
+        return out
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer).cast("B")))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
+
+
+__all__ = ["DEFAULT_ROW_GROUP_CACHE_BYTES", "DecodedRowGroups", "ParquetDataset"]
