@@ -14,6 +14,21 @@ is not used. A sample is one row (index along axis 0) of every array::
 A root that is a single array gives the row itself. Missing chunk files read as the
 array's fill value. Decoded chunk-rows are kept in a small per-process LRU, bounded by
 bytes, so consecutive rows decode each chunk once.
+
+Sharded Zarr v3 arrays (codec ``sharding_indexed``) are read the same way: a shard object
+holds a grid of inner chunks and an index of their (offset, length); the dataset's shard
+``s`` is shard-row ``s`` of the primary array (every shard at index ``s`` along axis 0), so
+a sampler keeps a rank on whole shard objects. Rows decode by inner chunk-row. A shard's
+index is read by range (and checked with its crc32c), then its inner chunks by range; a
+call whose rows need more than half of a shard's inner chunks (``get_rows`` over most of
+it, or an inner chunk-row that is most of it) reads the whole object instead, as do
+``warm()`` and ``fl.DataLoader``, which stage whole shards. ``shard_reads="whole"`` reads
+every shard whole on first touch (one GET per shard when a rank reads them all),
+``"ranges"`` never does.
+
+An array this reader refuses (variable-length strings, structured dtypes, storage
+transformers, codecs it does not know) is read through zarr-python 3 over the same cache
+(:mod:`fastload.datasets.zarr_store`); ``format_reason`` says which and why.
 """
 
 from __future__ import annotations
@@ -86,13 +101,46 @@ def _codec(config_json: str) -> Any:
     return numcodecs.get_codec(config)
 
 
+_EMPTY = 2**64 - 1  # a shard index's (offset, nbytes) of an inner chunk never written
+_SHARD_INDEX_CACHE_BYTES = 64 << 20
+
+
+class _Unsupported(DatasetError):
+    """What fastload's own reader does not read (zarr-python may): ``why`` in a few words."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardSpec:
+    """A sharded v3 array's outer grid: ``shape`` of a shard, ``per_shard`` inner chunks
+    along each axis, and how its index is stored."""
+
+    shape: tuple[int, ...]
+    per_shard: tuple[int, ...]
+    index_at_start: bool
+    index_dtype: np.dtype[Any]  # uint64 in the index's byte order
+    index_crc32c: bool
+
+    @property
+    def inner_chunks(self) -> int:
+        return math.prod(self.per_shard)
+
+    @property
+    def index_nbytes(self) -> int:
+        return self.inner_chunks * 16 + (4 if self.index_crc32c else 0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZarrArray:
     """One array's metadata, normalized across Zarr v2 and v3.
 
     ``dtype`` is the dtype rows come out in (native byte order); ``codecs`` are numcodecs
     configs in decoding order; a chunk's bytes hold ``encoded_shape`` in ``order``, turned
-    back with ``permutation`` (v3 ``transpose``).
+    back with ``permutation`` (v3 ``transpose``). A sharded array's ``chunks`` are its
+    inner chunks (what decodes), ``shard`` its shards (the objects, keyed by shard index).
     """
 
     name: str  # "" for an array at the dataset root
@@ -107,10 +155,23 @@ class ZarrArray:
     permutation: tuple[int, ...] | None = None
     key_prefix: str = ""  # "images/" + ("c/" for v3 default encoding)
     separator: str = "."
+    shard: ShardSpec | None = None
 
     @property
     def rows_per_chunk(self) -> int:
         return self.chunks[0]
+
+    @property
+    def rows_per_object(self) -> int:
+        """Rows of one object-row: a chunk-row, or a shard-row of a sharded array."""
+        return self.chunks[0] if self.shard is None else self.shard.shape[0]
+
+    def object_row_keys(self, row: int) -> list[str]:
+        """Keys of every object (chunk or shard) in object-row ``row``."""
+        if self.shard is None:
+            return self.chunk_row_keys(row)
+        grid = (math.ceil(s / c) for s, c in zip(self.shape[1:], self.shard.shape[1:], strict=True))
+        return [self.chunk_key((row, *rest)) for rest in itertools.product(*map(range, grid))]
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -162,6 +223,56 @@ class ZarrArray:
             chunk = chunk.astype(self.dtype)
         chunk.setflags(write=False)
         return chunk
+
+
+class ZarrPythonArray:
+    """An array fastload's own reader refuses, read through zarr-python 3 over the cache.
+
+    ``reason`` says why (e.g. "variable-length strings are not read by fastload's own
+    reader"); rows come from ``zarr.Array`` one inner chunk-row at a time.
+    """
+
+    def __init__(
+        self, *, name: str, store: CachedStore, existing: frozenset[str], reason: str
+    ) -> None:
+        self.name = name
+        self.reason = reason
+        self._store = store
+        self._existing = existing
+        self._pid = -1
+        self._array: Any = None
+        arr = self.zarr_array
+        self.zarr_format: int = arr.metadata.zarr_format
+        self.shape: tuple[int, ...] = tuple(int(s) for s in arr.shape)
+        self.dtype: np.dtype[Any] = np.dtype(arr.dtype)
+        self.rows_per_chunk: int = int(arr.chunks[0])
+        outer = arr.shards or arr.chunks
+        self._outer: tuple[int, ...] = tuple(int(c) for c in outer)
+        self.rows_per_object: int = self._outer[0]
+
+    @property
+    def zarr_array(self) -> Any:
+        """The ``zarr.Array`` (opened once per process)."""
+        if self._pid != os.getpid():
+            zarr = importlib.import_module("zarr")
+            from fastload.datasets.zarr_store import CachedZarrStore
+
+            store = CachedZarrStore(self._store, self._existing)
+            self._array = zarr.open_array(store=store, path=self.name, mode="r")
+            self._pid = os.getpid()
+        return self._array
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_array": None, "_pid": -1}
+
+    def object_row_keys(self, row: int) -> list[str]:
+        encode = self.zarr_array.metadata.encode_chunk_key
+        prefix = f"{self.name}/" if self.name else ""
+        grid = (math.ceil(s / c) for s, c in zip(self.shape[1:], self._outer[1:], strict=True))
+        return [prefix + encode((row, *rest)) for rest in itertools.product(*map(range, grid))]
+
+    def read(self, start: int, stop: int) -> Array:
+        return np.asarray(self.zarr_array[start:stop])
 
 
 class DecodedChunkCache:
@@ -234,8 +345,11 @@ class ZarrDataset(ShardedDataset):
 
     ``arrays`` picks arrays of a group (default: every array directly in it, sorted by
     name); they must share the length of axis 0, and the first is the primary array whose
-    chunk-rows are the shards. ``chunk_cache_bytes`` bounds the per-process cache of
-    decoded chunk-rows (0 turns it off; make it larger than one chunk-row of all arrays).
+    chunk-rows (shard-rows, if sharded) are the shards. ``chunk_cache_bytes`` bounds the
+    per-process cache of decoded chunk-rows (0 turns it off; make it larger than one
+    chunk-row of all arrays). ``shard_reads`` says how sharded arrays' shards are read:
+    ``"auto"`` (by range, or whole when a call needs more than half of one), ``"whole"``
+    or ``"ranges"``.
     """
 
     format = "zarr"
@@ -246,14 +360,22 @@ class ZarrDataset(ShardedDataset):
         *,
         arrays: Sequence[str] | str | None = None,
         chunk_cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES,
+        shard_reads: Literal["auto", "whole", "ranges"] = "auto",
     ) -> None:
+        if shard_reads not in ("auto", "whole", "ranges"):
+            raise ValueError(
+                f"shard_reads must be 'auto', 'whole' or 'ranges', got {shard_reads!r}"
+            )
+        self.shard_reads = shard_reads
+        self._format_reason = ""
         self.decoded = DecodedChunkCache(chunk_cache_bytes)
+        self.shard_indices = DecodedChunkCache(_SHARD_INDEX_CACHE_BYTES)
         keys = store.object_keys()
         self._existing = frozenset(keys)
         self.is_group, self.arrays = _open_root(store, self._existing, arrays)
         primary = next(iter(self.arrays.values()))
         self.zarr_format = primary.zarr_format
-        n, per = primary.shape[0], primary.rows_per_chunk
+        n, per = primary.shape[0], primary.rows_per_object
         sizes = [min(per, n - start) for start in range(0, n, per)]
         shard_keys: list[list[str]] = []
         for s, size in enumerate(sizes):
@@ -261,11 +383,25 @@ class ZarrDataset(ShardedDataset):
             wanted = (
                 k
                 for a in self.arrays.values()
-                for row in range(start // a.rows_per_chunk, (stop - 1) // a.rows_per_chunk + 1)
-                for k in a.chunk_row_keys(row)
+                for row in range(start // a.rows_per_object, (stop - 1) // a.rows_per_object + 1)
+                for k in a.object_row_keys(row)
             )
             shard_keys.append([k for k in dict.fromkeys(wanted) if k in self._existing])
         super().__init__(store, sizes, shard_keys)
+
+    @property
+    def format_reason(self) -> str:
+        """Why the format was picked, then which arrays zarr-python reads and why."""
+        notes = [
+            f"{a.name or 'the array'}: read through zarr-python: {a.reason}"
+            for a in self.arrays.values()
+            if isinstance(a, ZarrPythonArray)
+        ]
+        return "; ".join(r for r in [self._format_reason, *notes] if r)
+
+    @format_reason.setter
+    def format_reason(self, value: str) -> None:
+        self._format_reason = value
 
     # --- samples ---------------------------------------------------------------------------
 
@@ -284,29 +420,38 @@ class ZarrDataset(ShardedDataset):
         out = {name: self._rows(a, start, stop) for name, a in self.arrays.items()}
         return out if self.is_group else out[""]
 
-    def _row(self, a: ZarrArray, index: int) -> Array:
+    def _row(self, a: ZarrArray | ZarrPythonArray, index: int) -> Array:
         block_row, at = divmod(index, a.rows_per_chunk)
-        return np.array(self._block(a, block_row)[at])  # a copy: the cached block stays intact
+        block = self._block(a, block_row, (index, index + 1))
+        return np.array(block[at], dtype=block.dtype)  # a copy: the cached block stays intact
 
-    def _rows(self, a: ZarrArray, start: int, stop: int) -> Array:
+    def _rows(self, a: ZarrArray | ZarrPythonArray, start: int, stop: int) -> Array:
         out = np.empty((stop - start, *a.shape[1:]), dtype=a.dtype)
         per = a.rows_per_chunk
         for block_row in range(start // per, (stop - 1) // per + 1 if stop > start else 0):
             lo, hi = max(start, block_row * per), min(stop, (block_row + 1) * per)
-            block = self._block(a, block_row)
+            block = self._block(a, block_row, (start, stop))
             out[lo - start : hi - start] = block[lo - block_row * per : hi - block_row * per]
         return out
 
-    def _block(self, a: ZarrArray, block_row: int) -> Array:
-        """Chunk-row ``block_row`` of ``a`` decoded and trimmed to the array's extent."""
+    def _block(
+        self, a: ZarrArray | ZarrPythonArray, block_row: int, asked: tuple[int, int]
+    ) -> Array:
+        """Chunk-row ``block_row`` of ``a`` decoded and trimmed to the array's extent
+        (``asked``: the rows the call wants, which decide how a shard is read)."""
         cached = self.decoded.get((a.name, block_row))
         if cached is not None:
             return cached
         rows = min(a.rows_per_chunk, a.shape[0] - block_row * a.rows_per_chunk)
         shape = (rows, *a.shape[1:])
-        if all(g == 1 for g in a.grid[1:]):
+        if isinstance(a, ZarrPythonArray):
+            start = block_row * a.rows_per_chunk
+            block = a.read(start, start + rows)
+            block.setflags(write=False)
+            nbytes = block.nbytes + _ENTRY_OVERHEAD_BYTES
+        elif all(g == 1 for g in a.grid[1:]):
             # One chunk spans the other axes: a view of it, no copy.
-            chunk = self._chunk(a, (block_row,) + (0,) * (len(shape) - 1))
+            chunk = self._chunk(a, (block_row,) + (0,) * (len(shape) - 1), asked)
             if chunk is None:  # never written: the fill value, broadcast without memory
                 block, nbytes = np.broadcast_to(a.fill_value, shape), _ENTRY_OVERHEAD_BYTES
             else:
@@ -319,7 +464,7 @@ class ZarrDataset(ShardedDataset):
                     slice(i * c, min((i + 1) * c, s))
                     for i, c, s in zip(rest, a.chunks[1:], a.shape[1:], strict=True)
                 )
-                part = self._chunk(a, (block_row, *rest))
+                part = self._chunk(a, (block_row, *rest), asked)
                 dest = block[(slice(None), *region)]
                 if part is None:
                     dest[...] = a.fill_value
@@ -332,11 +477,116 @@ class ZarrDataset(ShardedDataset):
         self.decoded.put((a.name, block_row), block, nbytes)
         return block
 
-    def _chunk(self, a: ZarrArray, index: tuple[int, ...]) -> Array | None:
+    def _chunk(self, a: ZarrArray, index: tuple[int, ...], asked: tuple[int, int]) -> Array | None:
+        if a.shard is not None:
+            return self._inner_chunk(a, a.shard, index, asked)
         key = a.chunk_key(index)
         if key not in self._existing:
             return None  # never written: the fill value
         return a.decode(self.store.read(key), f"{self.store.url}/{key}")
+
+    # --- sharded arrays ----------------------------------------------------------------------
+
+    def _inner_chunk(
+        self, a: ZarrArray, spec: ShardSpec, index: tuple[int, ...], asked: tuple[int, int]
+    ) -> Array | None:
+        """Inner chunk ``index`` (in the array's grid of inner chunks) of a sharded array."""
+        outer = tuple(i // p for i, p in zip(index, spec.per_shard, strict=True))
+        key = a.chunk_key(outer)
+        if key not in self._existing:
+            return None  # the shard was never written: the fill value
+        whole = self._reads_whole(a, spec, key, outer[0], asked)
+        table = self._shard_index(spec, key, whole)
+        local = tuple(i % p for i, p in zip(index, spec.per_shard, strict=True))
+        offset, nbytes = (int(v) for v in table[np.ravel_multi_index(local, spec.per_shard)])
+        if offset == _EMPTY and nbytes == _EMPTY:
+            return None  # an inner chunk never written: the fill value
+        if whole:
+            raw = self.store.read(key, offset, nbytes)  # the whole shard into the cache first
+        else:
+            raw = self.store.read_range(key, offset, nbytes)
+        if len(raw) != nbytes:
+            raise DatasetError(
+                f"{self.store.object_url(key)}: read {len(raw)} bytes of inner chunk {local} "
+                f"at offset {offset}, expected {nbytes}; the shard changed since the dataset "
+                "was opened: open it again with refresh=True"
+            )
+        return a.decode(raw, f"{self.store.url}/{key} (inner chunk {local})")
+
+    def _reads_whole(
+        self, a: ZarrArray, spec: ShardSpec, key: str, shard_row: int, asked: tuple[int, int]
+    ) -> bool:
+        """Whether this call reads shard ``key`` whole: asked to, or its rows need more than
+        half of the shard's inner chunks (within the array's extent; a block spans the
+        other axes, so the inner chunk-rows along axis 0 count), or more than half of a
+        dataset shard that reads this object (a secondary array's shards need not line up
+        with the primary's: a rank reading that dataset shard reads them too)."""
+        if self.shard_reads != "auto":
+            return self.shard_reads == "whole"
+        c = a.chunks[0]
+        first = shard_row * spec.shape[0]
+        last = min(a.shape[0], first + spec.shape[0]) - 1
+        lo, hi = max(asked[0], first), min(asked[1] - 1, last)
+        needed = hi // c - lo // c + 1 if hi >= lo else 1
+        if 2 * needed > last // c - first // c + 1:
+            return True
+        start, stop = asked
+        for s in range(self.shard_of(start), self.shard_of(max(start, stop - 1)) + 1):
+            begin, end = int(self.shard_offsets[s]), int(self.shard_offsets[s + 1])
+            covered = min(stop, end) - max(start, begin)
+            if 2 * covered > end - begin and key in self.shard_keys[s]:
+                return True
+        return False
+
+    def _shard_index(self, spec: ShardSpec, key: str, whole: bool) -> Array:
+        """The (inner chunks, 2) uint64 (offset, nbytes) of shard ``key``, crc32c checked."""
+        cached = self.shard_indices.get((key, 0))
+        if cached is not None:
+            return cached
+        n = spec.index_nbytes
+        size = self.store.object(key).size
+        if size is None:  # no size in the listing: read the whole object
+            data = self.store.read(key)
+            size = len(data)
+            raw = data[:n] if spec.index_at_start else data[len(data) - n :]
+        else:
+            at = 0 if spec.index_at_start else size - n
+            if at < 0:
+                raw = b""
+            elif whole:
+                raw = self.store.read(key, at, n)
+            else:
+                raw = self.store.read_range(key, at, n)
+        url = self.store.object_url(key)
+        if len(raw) != n:
+            raise DatasetError(
+                f"{url}: the shard has {size} bytes, too few for its index of {n} bytes; "
+                "the shard is damaged or was not written with this metadata; rewrite it"
+            )
+        body: Any = raw
+        if spec.index_crc32c:
+            try:
+                body = _codec(json.dumps({"id": "crc32c"})).decode(raw)
+            except ImportError:
+                raise
+            except Exception as e:
+                raise DatasetError(
+                    f"{url}: the shard index fails its crc32c check ({e}); the shard is "
+                    "damaged or changed while it was read; open the dataset with "
+                    "refresh=True if it changed, else rewrite the shard"
+                ) from e
+        table = np.frombuffer(body, dtype=spec.index_dtype).reshape(spec.inner_chunks, 2)
+        written = ~((table[:, 0] == _EMPTY) & (table[:, 1] == _EMPTY))
+        offsets, lengths = table[written, 0], table[written, 1]
+        if np.any((offsets > size) | (lengths > np.uint64(size) - offsets)):
+            raise DatasetError(
+                f"{url}: the shard index points past the shard's {size} bytes; the shard is "
+                "damaged or was not written with this metadata; rewrite it"
+            )
+        table = table.astype(np.uint64)  # native order, and a copy the cache owns
+        table.setflags(write=False)
+        self.shard_indices.put((key, 0), table, table.nbytes + _ENTRY_OVERHEAD_BYTES)
+        return table
 
 
 # --- metadata ------------------------------------------------------------------------------
@@ -344,7 +594,7 @@ class ZarrDataset(ShardedDataset):
 
 def _open_root(
     store: CachedStore, existing: frozenset[str], arrays: Sequence[str] | str | None
-) -> tuple[bool, dict[str, ZarrArray]]:
+) -> tuple[bool, dict[str, ZarrArray | ZarrPythonArray]]:
     """(is the root a group, its arrays by name in sample order)."""
     url = store.url
     root = _read_node(store, existing, "")
@@ -366,7 +616,7 @@ def _open_root(
             raise DatasetError(
                 f"{url} is a single Zarr array, not a group; drop arrays={list(arrays)!r}"
             )
-        found = {"": _parse_array(url, "", meta)}
+        found: dict[str, ZarrArray | ZarrPythonArray] = {"": _array(store, existing, "", meta)}
     else:
         names = [arrays] if isinstance(arrays, str) else arrays
         if names is None:
@@ -375,7 +625,7 @@ def _open_root(
         for name in dict.fromkeys(n.strip("/") for n in names):
             node = _read_node(store, existing, name)
             if node is not None and node[0] == "array":
-                found[name] = _parse_array(url, name, node[1])
+                found[name] = _array(store, existing, name, node[1])
             elif arrays is not None:
                 raise DatasetError(
                     f"{url} has no array {name!r}; nodes directly in the group: "
@@ -397,6 +647,27 @@ def _open_root(
             "rows; pick arrays that line up with arrays=[...]"
         )
     return kind == "group", found
+
+
+def _array(
+    store: CachedStore, existing: frozenset[str], name: str, meta: dict[str, Any]
+) -> ZarrArray | ZarrPythonArray:
+    """fastload's own reader of the array, else zarr-python's where fastload's refuses it."""
+    try:
+        return _parse_array(store.url, name, meta)
+    except _Unsupported as e:
+        try:
+            importlib.import_module("zarr")
+        except ImportError:
+            raise DatasetError(
+                f"{e}; zarr-python 3 reads it through fastload's cache: pip install zarr"
+            ) from e
+        return ZarrPythonArray(
+            name=name,
+            store=store,
+            existing=existing,
+            reason=f"{e.why} are not read by fastload's own reader",
+        )
 
 
 def _child_nodes(existing: frozenset[str]) -> list[str]:
@@ -470,12 +741,16 @@ def _parse_v2(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
     if meta.get("zarr_format") != 2:
         raise DatasetError(f"{where}: zarr_format {meta.get('zarr_format')!r}, expected 2")
     if not isinstance(meta["dtype"], str):
-        raise DatasetError(f"{where}: structured dtype {meta['dtype']} is not supported yet")
+        raise _Unsupported(
+            f"{where}: structured dtype {meta['dtype']} is not read by fastload's own reader",
+            "structured dtypes",
+        )
     stored = np.dtype(meta["dtype"])
     if stored.hasobject:
-        raise DatasetError(
+        raise _Unsupported(
             f"{where}: dtype {meta['dtype']!r} holds Python objects (variable-length strings); "
-            "only fixed-size dtypes are supported"
+            "fastload's own reader reads fixed-size dtypes only",
+            "variable-length strings",
         )
     shape, chunks = _shape(where, meta["shape"], meta["chunks"])
     order = meta.get("order", "C")
@@ -505,16 +780,31 @@ def _parse_v2(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
 def _parse_v3(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
     data_type = meta["data_type"]
     if not isinstance(data_type, str) or data_type not in _V3_DTYPES:
-        raise DatasetError(
-            f"{where}: data_type {data_type!r} is not supported; expected one of "
-            f"{', '.join(_V3_DTYPES)}"
+        kind = data_type.get("name") if isinstance(data_type, dict) else data_type
+        why = (
+            "variable-length strings"
+            if kind in ("string", "variable_length_utf8")
+            else "structured dtypes"
+            if kind == "structured"
+            else f"arrays of data_type {kind!r}"
+        )
+        raise _Unsupported(
+            f"{where}: data_type {data_type!r} is not read by fastload's own reader; it reads "
+            f"{', '.join(_V3_DTYPES)}",
+            why,
         )
     grid = meta["chunk_grid"]
     if grid.get("name") != "regular":
-        raise DatasetError(f"{where}: chunk_grid {grid.get('name')!r}, expected 'regular'")
+        raise _Unsupported(
+            f"{where}: chunk_grid {grid.get('name')!r}, fastload's own reader reads 'regular'",
+            f"chunk grids {grid.get('name')!r}",
+        )
     shape, chunks = _shape(where, meta["shape"], grid["configuration"]["chunk_shape"])
     if meta.get("storage_transformers"):
-        raise DatasetError(f"{where}: storage transformers are not supported")
+        raise _Unsupported(
+            f"{where}: storage transformers are not read by fastload's own reader",
+            "storage transformers",
+        )
     encoding = meta.get("chunk_key_encoding", {"name": "default"})
     separator = (encoding.get("configuration") or {}).get(
         "separator", "/" if encoding["name"] == "default" else "."
@@ -524,46 +814,30 @@ def _parse_v3(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
     elif encoding["name"] == "v2":
         key_prefix = meta["_prefix"]
     else:
-        raise DatasetError(
-            f"{where}: chunk_key_encoding {encoding['name']!r}, expected 'default' or 'v2'"
+        raise _Unsupported(
+            f"{where}: chunk_key_encoding {encoding['name']!r}, fastload's own reader reads "
+            "'default' or 'v2'",
+            f"chunk key encodings {encoding['name']!r}",
         )
-    permutation: tuple[int, ...] | None = None
-    endian: str | None = None
-    after_bytes: list[dict[str, Any]] = []
-    for codec in meta["codecs"]:
-        codec_name, config = codec["name"], codec.get("configuration") or {}
-        if codec_name == "sharding_indexed":
+    codecs = meta["codecs"]
+    shard: ShardSpec | None = None
+    if any(c["name"] == "sharding_indexed" for c in codecs):
+        if len(codecs) != 1:
+            raise _Unsupported(
+                f"{where}: codecs {[c['name'] for c in codecs]} around sharding_indexed; "
+                "fastload's own reader reads sharding_indexed alone",
+                "codecs around sharding_indexed",
+            )
+        config = codecs[0]["configuration"]
+        inner = _shape(where, shape, config["chunk_shape"])[1]
+        if any(s % c for s, c in zip(chunks, inner, strict=True)):
             raise DatasetError(
-                f"{where}: sharded Zarr v3 arrays (codec sharding_indexed) are not supported "
-                "yet; rewrite the array without shards (zarr.create_array(..., shards=None))"
+                f"{where}: shards {chunks} are not a whole number of inner chunks {inner}; "
+                "rewrite the metadata"
             )
-        if endian is None and codec_name == "transpose":
-            order = config["order"]
-            step = (
-                tuple(range(len(shape)))
-                if order == "C"
-                else tuple(reversed(range(len(shape))))
-                if order == "F"
-                else tuple(int(i) for i in order)
-            )
-            if sorted(step) != list(range(len(shape))):
-                raise DatasetError(f"{where}: transpose order {order!r} is not a permutation")
-            permutation = step if permutation is None else tuple(permutation[i] for i in step)
-        elif endian is None and codec_name == "bytes":
-            endian = config.get("endian", "little")
-        elif endian is not None and codec_name in _V3_BYTES_CODECS:
-            after_bytes.append({"id": _V3_BYTES_CODECS[codec_name]})
-        elif endian is not None and codec_name.startswith("numcodecs."):
-            after_bytes.append({**config, "id": codec_name.removeprefix("numcodecs.")})
-        else:
-            raise DatasetError(
-                f"{where}: codec {codec_name!r} is not supported here; fastload reads "
-                "[transpose], bytes, then blosc/gzip/zstd/crc32c/numcodecs.* compressors"
-            )
-    if endian is None:
-        raise DatasetError(f"{where}: no 'bytes' codec; expected one to turn chunks into bytes")
-    if endian not in ("little", "big"):
-        raise DatasetError(f"{where}: bytes endian {endian!r}, expected 'little' or 'big'")
+        shard = _shard_spec(where, chunks, inner, config)
+        chunks, codecs = inner, config["codecs"]
+    permutation, endian, after_bytes = _v3_chain(where, codecs, len(shape))
     stored = np.dtype(("<" if endian == "little" else ">") + _V3_DTYPES[data_type])
     dtype = _native(stored)
     return ZarrArray(
@@ -578,6 +852,76 @@ def _parse_v3(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
         permutation=permutation,
         key_prefix=key_prefix,
         separator=separator,
+        shard=shard,
+    )
+
+
+def _v3_chain(
+    where: str, codecs: list[dict[str, Any]], ndim: int
+) -> tuple[tuple[int, ...] | None, str, list[dict[str, Any]]]:
+    """(transpose permutation, bytes endian, numcodecs configs in encoding order) of a v3
+    codec chain (an array's, or the inner chunks' of a shard)."""
+    permutation: tuple[int, ...] | None = None
+    endian: str | None = None
+    after_bytes: list[dict[str, Any]] = []
+    for codec in codecs:
+        codec_name, config = codec["name"], codec.get("configuration") or {}
+        if endian is None and codec_name == "transpose":
+            order = config["order"]
+            step = (
+                tuple(range(ndim))
+                if order == "C"
+                else tuple(reversed(range(ndim)))
+                if order == "F"
+                else tuple(int(i) for i in order)
+            )
+            if sorted(step) != list(range(ndim)):
+                raise DatasetError(f"{where}: transpose order {order!r} is not a permutation")
+            permutation = step if permutation is None else tuple(permutation[i] for i in step)
+        elif endian is None and codec_name == "bytes":
+            endian = config.get("endian", "little")
+        elif endian is not None and codec_name in _V3_BYTES_CODECS:
+            after_bytes.append({"id": _V3_BYTES_CODECS[codec_name]})
+        elif endian is not None and codec_name.startswith("numcodecs."):
+            after_bytes.append({**config, "id": codec_name.removeprefix("numcodecs.")})
+        else:
+            raise _Unsupported(
+                f"{where}: codec {codec_name!r} is not read by fastload's own reader; it reads "
+                "[transpose], bytes, then blosc/gzip/zstd/crc32c/numcodecs.* compressors "
+                "(sharded or not)",
+                f"arrays with codec {codec_name!r}",
+            )
+    if endian is None:
+        raise DatasetError(f"{where}: no 'bytes' codec; expected one to turn chunks into bytes")
+    if endian not in ("little", "big"):
+        raise DatasetError(f"{where}: bytes endian {endian!r}, expected 'little' or 'big'")
+    return permutation, endian, after_bytes
+
+
+def _shard_spec(
+    where: str, shards: tuple[int, ...], inner: tuple[int, ...], config: dict[str, Any]
+) -> ShardSpec:
+    location = config.get("index_location", "end")
+    if location not in ("start", "end"):
+        raise DatasetError(f"{where}: index_location {location!r}, expected 'start' or 'end'")
+    names = [c["name"] for c in config.get("index_codecs") or []]
+    if names not in (["bytes"], ["bytes", "crc32c"]):
+        raise _Unsupported(
+            f"{where}: shard index codecs {names}; fastload's own reader reads bytes, then "
+            "an optional crc32c",
+            f"shard index codecs {names}",
+        )
+    endian = (config["index_codecs"][0].get("configuration") or {}).get("endian", "little")
+    if endian not in ("little", "big"):
+        raise DatasetError(f"{where}: index bytes endian {endian!r}, expected 'little' or 'big'")
+    if names[-1] == "crc32c":
+        _checked_codecs(where, [{"id": "crc32c"}])  # google-crc32c is there, or say so now
+    return ShardSpec(
+        shape=shards,
+        per_shard=tuple(s // c for s, c in zip(shards, inner, strict=True)),
+        index_at_start=location == "start",
+        index_dtype=np.dtype("<u8" if endian == "little" else ">u8"),
+        index_crc32c=names[-1] == "crc32c",
     )
 
 
@@ -590,9 +934,10 @@ def _checked_codecs(where: str, configs: list[dict[str, Any]]) -> tuple[str, ...
         except ImportError:
             raise
         except Exception as e:
-            raise DatasetError(
+            raise _Unsupported(
                 f"{where}: numcodecs cannot make codec {json.loads(c)} ({e}); upgrade "
-                "numcodecs or register the codec"
+                "numcodecs or register the codec",
+                f"arrays with codec {json.loads(c).get('id')!r}",
             ) from e
     return out
 
@@ -637,4 +982,11 @@ def _fill_v3(where: str, value: Any, dtype: np.dtype[Any]) -> Array:
         raise DatasetError(f"{where}: fill_value {value!r} does not fit {dtype}") from e
 
 
-__all__ = ["DEFAULT_CHUNK_CACHE_BYTES", "DecodedChunkCache", "ZarrArray", "ZarrDataset"]
+__all__ = [
+    "DEFAULT_CHUNK_CACHE_BYTES",
+    "DecodedChunkCache",
+    "ShardSpec",
+    "ZarrArray",
+    "ZarrDataset",
+    "ZarrPythonArray",
+]
