@@ -378,3 +378,43 @@ def test_without_zarr_python_the_refusal_says_what_to_install(
         open_local(tmp_path / "ds", tmp_path / "cache", arrays=["values", "names"])
     ds = open_local(tmp_path / "ds", tmp_path / "cache", arrays=["values"])
     assert ds.format_reason == "asked for"
+
+
+def test_fastload_dataloader_stages_whole_shards(source: Path, tmp_path: Path) -> None:
+    """fl.DataLoader stages the shards ahead whole (the first batches may read a few inner
+    chunks by range before their staging starts); the next epoch fetches nothing."""
+    import fastload as fl
+
+    want = expected(source / "ds")
+    with serve("s3", source) as (url, options, server):
+        assert server is not None
+        ds = open_dataset(url, cache_dir=str(tmp_path), storage_options=options)
+        loader = fl.DataLoader(ds, batch_size=4, num_workers=2, seed=1, rank=0, world_size=1)
+        seen = []
+        for batch in loader:
+            labels = np.asarray(batch["labels"])
+            seen += labels.tolist()
+            assert np.asarray(batch["images"]).shape[1:] == (7, 5, 3)
+        assert sorted(seen) == sorted(want["labels"].tolist())
+        keys = {k for keys in ds.shard_keys for k in keys}
+        assert all(ds.store.local_path(k) is not None for k in keys)  # each fetched whole
+        before = server.stats().count(method="GET")
+        assert len(list(loader)) == len(seen) // 4 + (len(seen) % 4 > 0)
+        assert server.stats().count(method="GET") == before
+
+
+def test_torch_workers_read_both_paths(tmp_path: Path) -> None:
+    """Forked DataLoader workers: the sharded reader and zarr-python each in their process."""
+    import torch.utils.data
+
+    want = write_mixed(tmp_path / "ds", 3)
+    ds = open_local(tmp_path / "ds", tmp_path / "cache", arrays=["values", "names"])
+    ds[0]  # the parent has used both readers before the fork
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=2, collate_fn=lambda row: row
+    )
+    rows = list(loader)
+    assert len(rows) == N
+    for i, row in enumerate(rows):
+        np.testing.assert_array_equal(row["values"], want["values"][i])
+        assert str(row["names"]) == want["names"][i]

@@ -523,6 +523,8 @@ class ZarrDataset(ShardedDataset):
         with the primary's: a rank reading that dataset shard reads them too)."""
         if self.shard_reads != "auto":
             return self.shard_reads == "whole"
+        if self._fetching_whole(key):
+            return True  # staged right now (a loader's look-ahead): wait for it, not a range
         c = a.chunks[0]
         first = shard_row * spec.shape[0]
         last = min(a.shape[0], first + spec.shape[0]) - 1
@@ -536,6 +538,15 @@ class ZarrDataset(ShardedDataset):
             covered = min(stop, end) - max(start, begin)
             if 2 * covered > end - begin and key in self.shard_keys[s]:
                 return True
+        return False
+
+    def _fetching_whole(self, key: str) -> bool:
+        """Whether another thread or process is fetching the whole object ``key`` now."""
+        cache = self.store.cache
+        lock = cache.try_fetch_lock(self.store.object_url(key))
+        if lock is None:
+            return True
+        lock.release()
         return False
 
     def _shard_index(self, spec: ShardSpec, key: str, whole: bool) -> Array:
