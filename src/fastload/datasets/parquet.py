@@ -236,20 +236,23 @@ class ParquetDataset(ShardedDataset):
             )
         self._shard_file: npt.NDArray[np.int32] = np.asarray(shard_file, dtype=np.int32)
         self._shard_group: npt.NDArray[np.int32] = np.asarray(shard_group, dtype=np.int32)
+        self._new_locks()
+        super().__init__(store, sizes, [[files[f].key] for f in shard_file])
+
+    def _new_locks(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._reading: dict[tuple[int, int], threading.Lock] = {}
-        super().__init__(store, sizes, [[files[f].key] for f in shard_file])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"], state["_reading"]
+        del state["_lock"], state["_reading"], state["_pid"]
         state["_metadata"] = None  # re-read from the cache where needed (footers are ranges)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._reading = {}
+        self._new_locks()
 
     # --- samples ---------------------------------------------------------------------------
 
@@ -271,6 +274,8 @@ class ParquetDataset(ShardedDataset):
         cached = self.decoded.get((f, g))
         if cached is not None:
             return cached
+        if self._pid != os.getpid():  # forked: locks held by the parent's threads stay held
+            self._new_locks()
         with self._lock:
             reading = self._reading.setdefault((f, g), threading.Lock())
         with reading:  # one thread decodes a row group; others wait for it
