@@ -237,15 +237,6 @@ def test_an_empty_array_is_refused(zarr_format: int, tmp_path: Path) -> None:
         open_local(tmp_path / "e", tmp_path / "cache")
 
 
-def test_sharded_v3_says_it_is_not_supported_yet(tmp_path: Path) -> None:
-    z = zarr.create_array(
-        str(tmp_path / "s"), shape=(8, 4), chunks=(2, 4), shards=(4, 4), dtype="uint8"
-    )
-    z[:] = 1
-    with pytest.raises(DatasetError, match=r"sharded Zarr v3 arrays .* not supported yet"):
-        open_local(tmp_path / "s", tmp_path / "cache")
-
-
 def test_a_folder_above_the_zarr_root_gets_a_hint(sources: dict[int, Path], tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"no \.zarray, \.zgroup or zarr\.json .* open .*/ds"):
         open_dataset(str(sources[2]), format="zarr", cache_dir=str(tmp_path))

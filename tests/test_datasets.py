@@ -136,7 +136,7 @@ def test_empty_and_missing_datasets_fail_clearly(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="class folders"):
         open_dataset(str(tmp_path / "flat"), format="imagefolder", cache_dir=str(tmp_path / "c"))
     with pytest.raises(ValueError, match="format must be one of"):
-        open_dataset(str(tmp_path / "flat"), format="parquet")
+        open_dataset(str(tmp_path / "flat"), format="csv")
 
 
 def test_one_sample_dataset(tmp_path: Path) -> None:

@@ -135,7 +135,7 @@ class DataLoader(tud.DataLoader[Any]):
         if decode is not None:
             if not (fast and decodable(dataset)):
                 raise ValueError(
-                    "decode= decodes the images of a fastload file-folder or tar dataset "
+                    "decode= decodes the images of a fastload file-folder, tar or Parquet dataset "
                     "(fl.open_dataset) on fastload's threads; "
                     + (
                         "drop worker_init_fn/multiprocessing_context to use it"
