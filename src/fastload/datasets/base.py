@@ -76,6 +76,13 @@ class ShardedDataset:
         None where the format does not map samples to plain byte ranges (Zarr)."""
         return None
 
+    def stage_ranges(self, shard: int) -> list[Range] | None:
+        """The byte ranges to stage for ``shard`` ahead of its reads, each cached as an
+        entry of its own (``CachedStore.read_range``), where a reader fetches only parts of
+        the shard's objects (a Parquet row group of a file); None: stage the shard's
+        objects whole."""
+        return None
+
     def assemble(
         self, index: int, parts: Sequence[bytes | memoryview], *, copy: bool = True
     ) -> Any:

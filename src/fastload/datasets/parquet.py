@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fastload.datasets.base import DatasetError, ShardedDataset
+from fastload.datasets.base import DatasetError, Range, ShardedDataset
 from fastload.errors import MissingBackendError
 from fastload.store import CachedStore
 
@@ -290,15 +290,7 @@ class ParquetDataset(ShardedDataset):
         file = self.files[f]
         md = self.metadata(f)
         source = _RangeFile(self.store, file.key, file.size)
-        names = self.columns
-        rg = md.row_group(g)
-        spans = []
-        for c in range(rg.num_columns):
-            chunk = rg.column(c)
-            path = chunk.path_in_schema
-            if any(path == n or path.startswith(n + ".") for n in names):
-                spans.append(_chunk_span(chunk))
-        source.prefetch(_coalesce(spans))
+        source.prefetch(self._spans(f, g))
         url = self.store.object_url(file.key)
         try:
             table = pq.ParquetFile(source, metadata=md).read_row_group(
@@ -314,6 +306,27 @@ class ParquetDataset(ShardedDataset):
             ) from e
         out = {name: self._values(table.column(name), name) for name in self.columns}
         return out, int(table.nbytes) + _ENTRY_OVERHEAD_BYTES * (1 + table.num_rows)
+
+    def _spans(self, f: int, g: int) -> list[tuple[int, int]]:
+        """(start, end) of the byte spans row group g of file f is read as: its column
+        chunks of the dataset's columns, merged where close."""
+        rg = self.metadata(f).row_group(g)
+        names = self.columns
+        spans = []
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            path = chunk.path_in_schema
+            if any(path == n or path.startswith(n + ".") for n in names):
+                spans.append(_chunk_span(chunk))
+        return _coalesce(spans)
+
+    def stage_ranges(self, shard: int) -> list[Range]:
+        """The byte ranges row group ``shard`` is read as (see :meth:`_spans`): a loader
+        stages these as range entries, not the whole file (a rank reads ~1/world of a
+        file's row groups). Footers were read, as ranges, when the dataset was opened."""
+        f, g = int(self._shard_file[shard]), int(self._shard_group[shard])
+        key = self.files[f].key
+        return [(key, start, end - start) for start, end in self._spans(f, g)]
 
     def _values(self, column: Any, name: str) -> list[Any]:
         pa, _ = _pyarrow()

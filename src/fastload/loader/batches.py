@@ -111,7 +111,14 @@ class BatchBuilder:
         self._contexts: list[_ReadContext] = []  # idle ones
         self._contexts_lock = threading.Lock()
         self._staged: dict[str, None] = {}  # recently staged keys (insertion-ordered, bounded)
-        self._needed: set[str] = set()  # objects this pass has read
+        self._staged_ranges: dict[Range, None] = {}  # and ranges (the same, for stage_ranges)
+        # Whether the dataset stages some shards as byte ranges (its stage_ranges hook), and
+        # those ranges by shard (None: the shard's objects are staged whole).
+        self._ranged = type(dataset).stage_ranges is not ShardedDataset.stage_ranges
+        self._ranges_of: dict[int, list[Range] | None] = {}
+        self._fetching: set[Range] = set()  # ranges a thread of this loader is staging now
+        self._fetching_lock = threading.Lock()
+        self._needed: set[str | Range] = set()  # objects (or ranges) this pass has read
         self._needed_lock = threading.Lock()
         # Whether what the cache turns away is fetched ahead into memory: batches are then
         # read after their staging round, which counts the reads each object is held for
@@ -124,13 +131,20 @@ class BatchBuilder:
         ds = self.dataset
         reads: dict[str, int] = {}  # samples of these batches reading each object
         samples: dict[str, int] = {}  # samples of the shard of each object
+        ranges: dict[Range, None] = {}  # byte ranges to stage (shards with stage_ranges)
         for batch in batches:
             for index in batch if self.batched else [batch]:
                 shard = ds.shard_of(int(index))
+                spans = self._stage_ranges(shard) if self._ranged else None
+                if spans is not None:
+                    ranges.update((r, None) for r in spans if r not in self._staged_ranges)
+                    continue
                 for key in ds.shard_keys[shard]:
                     if key not in self._staged:
                         reads[key] = reads.get(key, 0) + 1
                         samples[key] = ds.shard_sizes[shard]
+        if ranges:
+            self._stage_by_range(list(ranges))
         if not reads:
             return
         results = ds.store.stage(list(reads), self._hold_reads(reads, samples))
@@ -140,6 +154,67 @@ class BatchBuilder:
         while len(self._staged) > 65536:  # forget the oldest: only a repeat filter
             del self._staged[next(iter(self._staged))]
         self._record(results)
+
+    def _stage_ranges(self, shard: int) -> list[Range] | None:
+        """The dataset's ``stage_ranges(shard)``, asked once per shard."""
+        if not self._ranged:
+            return None
+        try:
+            return self._ranges_of[shard]
+        except KeyError:
+            pass
+        spans = self.dataset.stage_ranges(shard)
+        if len(self._ranges_of) > 65536:
+            self._ranges_of.clear()
+        self._ranges_of[shard] = spans
+        return spans
+
+    def _stage_by_range(self, ranges: list[Range]) -> None:
+        """Fetches ranges into the cache as range entries, concurrently on the range
+        threads. What the cache holds already (the range, or its whole object) is not read,
+        nor what another thread of this loader is staging now (its reader waits for that
+        fetch: ``read_range`` takes the range's fetch lock); the rest counts as fetched."""
+        store = self.dataset.store
+        keys = list(dict.fromkeys(key for key, _, _ in ranges))
+        whole = dict(zip(keys, store.local_paths(keys), strict=True))
+        objects = dict(zip(keys, store.objects(keys), strict=True))
+        todo = [r for r in ranges if whole[r[0]] is None]
+        for r in ranges:
+            if whole[r[0]] is not None:
+                self._staged_ranges[r] = None
+
+        def fetch(r: Range) -> tuple[Range, int | BaseException]:
+            key, offset, length = r
+            obj = objects[key]
+            if obj.size is not None:  # as read_range clips it: the span its entry is under
+                length = max(0, min(length, obj.size - offset))
+            url = store.manifest.object_url(obj)
+            with self._fetching_lock:
+                if r in self._fetching:
+                    return r, 0
+                self._fetching.add(r)
+            try:
+                span = (offset, length)
+                if store.cache.lookup(url, version=obj.version, span=span) is not None:
+                    return r, 0
+                store.read_range(key, offset, length)
+            except Exception as e:  # the reader meets it again, and raises it at its batch
+                return r, e
+            finally:
+                with self._fetching_lock:
+                    self._fetching.discard(r)
+            return r, length
+
+        for r, got in _range_pool().map(fetch, todo):
+            if isinstance(got, BaseException):
+                self.stats.count("stage_failed")
+                continue
+            self._staged_ranges[r] = None
+            if got:
+                self.stats.count("cache_misses")
+                self.stats.count("bytes_fetched", got)
+        while len(self._staged_ranges) > 65536:  # forget the oldest: only a repeat filter
+            del self._staged_ranges[next(iter(self._staged_ranges))]
 
     def _hold_reads(self, reads: dict[str, int], samples: dict[str, int]) -> list[int]:
         """The reads to stage each object with: its reads where they are at least half its
@@ -225,11 +300,16 @@ class BatchBuilder:
         with self._needed_lock:
             self._needed.clear()
 
-    def _note_needed(self, shard_keys: Iterable[Sequence[str]]) -> None:
-        """Counts each object a pass reads once: hits are these minus what was fetched."""
+    def _note_needed(self, shards: Iterable[int]) -> None:
+        """Counts each object a pass reads once (each range, for shards staged as ranges):
+        hits are these minus what was fetched."""
+        needed: list[Sequence[str | Range]] = []
+        for shard in shards:
+            spans = self._stage_ranges(shard) if self._ranged else None
+            needed.append(self.dataset.shard_keys[shard] if spans is None else spans)
         with self._needed_lock:
             before = len(self._needed)
-            for keys in shard_keys:
+            for keys in needed:
                 self._needed.update(keys)
             self.stats.count("objects_needed", len(self._needed) - before)
 
@@ -254,7 +334,9 @@ class BatchBuilder:
         # One index query for the batch (each query releases and retakes the GIL).
         located = store.local_paths(list(reads))
         paths: dict[str, Location | None] = dict(zip(reads, located, strict=True))
-        self._note_needed(ds.shard_keys[s] for s in shards)
+        self._note_needed(shards)
+        if not self.holds and any(rs is None for rs in ranges):
+            self._stage_own([s for rs, s in zip(ranges, shards, strict=True) if rs is None])
         held: dict[str, memoryview] = {}
         missing = [
             key for key, path in paths.items() if path is None and not self._take(key, reads, held)
@@ -305,6 +387,38 @@ class BatchBuilder:
                 self.stats.count("cache_reads")
                 samples.append(ds[index])
         return samples
+
+    def _stage_own(self, shards: list[int]) -> None:
+        """Stages now, as staging ahead would, what the shards this batch reads through
+        ``dataset[index]`` (Zarr, Parquet) need and the cache lacks, rather than let the
+        reads race ahead of staging with reads of their own: a shard's ``stage_ranges``
+        (fetched concurrently, and counted), else its objects whole (a sharded Zarr shard's
+        index and inner chunks were fetched by range, then the shard whole). Large objects
+        the batch reads little of (``_by_range``) are left to the dataset's reads. (With
+        ``holds``, batches are read after their staging round: no race.)"""
+        ds = self.dataset
+        reads: dict[str, int] = {}  # samples of this batch reading each object
+        samples: dict[str, int] = {}  # samples of the shard of each object
+        ranges: dict[Range, None] = {}
+        for shard in shards:
+            spans = self._stage_ranges(shard) if self._ranged else None
+            if spans is not None:
+                ranges.update((r, None) for r in spans if r not in self._staged_ranges)
+                continue
+            for key in ds.shard_keys[shard]:
+                reads[key] = reads.get(key, 0) + 1
+                samples[key] = ds.shard_sizes[shard]
+        if ranges:
+            self._stage_by_range(list(ranges))
+        if not reads:
+            return
+        store = ds.store
+        located = store.local_paths(list(reads))
+        missing = [key for key, at in zip(reads, located, strict=True) if at is None]
+        by_range = self._by_range(missing, reads, samples)
+        wanted = [key for key in missing if key not in by_range]
+        if wanted:  # here: this batch waits for them, not behind a staging round
+            self._record(store.stager.stage(store.objects(wanted), here=True))
 
     def _by_range(
         self, missing: list[str], reads: dict[str, int], shard_samples: dict[str, int]
