@@ -47,7 +47,15 @@ import xxhash
 from fastload.errors import RemoteError
 from fastload.listing import ENCODING as _ENCODING
 from fastload.listing import Listing
-from fastload.remote import is_http, key_of, open_filesystem, public_url, remote_url, with_retries
+from fastload.remote import (
+    is_hf,
+    is_http,
+    key_of,
+    open_filesystem,
+    public_url,
+    remote_url,
+    with_retries,
+)
 from fastload.transport import transport_for
 
 log = logging.getLogger(__name__)
@@ -445,6 +453,58 @@ def _crawl_pages(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, dict[str
     return fsspec.asyn.sync(fs.loop, crawl)  # type: ignore[no-any-return]
 
 
+def _list_hub(
+    fs: fsspec.AbstractFileSystem, root: str, progress: Callable[[int], None] | None
+) -> Listing | None:
+    """An ``hf://`` repository's files below root, at one commit: the revision the URL names
+    (``@rev``, else the default branch) resolved to its commit SHA first, then the tree of
+    that commit, so a commit pushed meanwhile cannot mix in. Each version is
+    ``commit=<sha>;oid=<git blob id>[;sha256=<LFS oid>]``: a new commit is a new version of
+    every file (fetched again), and :func:`fastload.remote.path_of` pins each GET at the
+    commit listed. None for a bucket (no commits: fsspec's find lists it)."""
+    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils import parse_hf_uri
+
+    parsed = parse_hf_uri(f"hf://{root}")
+    if not parsed.is_repo:
+        return None
+    api: Any = fs._api  # type: ignore[attr-defined]
+    commit = api.repo_info(parsed.id, revision=parsed.revision, repo_type=parsed.type).sha
+    base = parsed.path_in_repo.strip("/")
+    try:
+        entries = [
+            e
+            for e in api.list_repo_tree(
+                parsed.id, base or None, recursive=True, revision=commit, repo_type=parsed.type
+            )
+            if isinstance(e, RepoFile)
+        ]
+    except EntryNotFoundError:  # root names a file
+        entries = [
+            e
+            for e in api.get_paths_info(parsed.id, [base], revision=commit, repo_type=parsed.type)
+            if isinstance(e, RepoFile)
+        ]
+    keys, sizes, versions = [], [], []
+    for e in entries:
+        if e.path == base or not base:
+            key = "" if base else e.path
+        elif e.path.startswith(base + "/"):
+            key = e.path[len(base) + 1 :]
+        else:
+            continue  # not below root
+        version = f"commit={commit};oid={e.blob_id}"
+        if e.lfs is not None:
+            version += f";sha256={e.lfs.sha256}"
+        keys.append(key)
+        sizes.append(e.size)
+        versions.append(version)
+    if progress is not None:
+        progress(len(keys))
+    return Listing.of(keys, sizes, versions)
+
+
 def list_dataset(
     url: str, storage_options: dict[str, Any] | None = None, *, progress: bool = False
 ) -> Manifest:
@@ -460,7 +520,9 @@ def list_dataset(
     counter = _ListingProgress(shown) if progress else None
     transport = transport_for(fs)
     columns: Listing | None = None
-    if not is_http(fs):
+    if is_hf(fs):
+        columns = with_retries(lambda: _list_hub(fs, root, counter), shown)
+    elif not is_http(fs):
         columns = with_retries(lambda: transport.list_columns(root, counter), shown)
     if columns is not None and len(columns):
         if counter is not None:

@@ -49,6 +49,7 @@ _PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "InvalidAcc
 # fastload` has only local files).
 _S3_EXTRA = 'pip install "fastload[s3]"'
 _HTTP_EXTRA = 'pip install "fastload[http]"'
+_HF_EXTRA = 'pip install "fastload[hf]"'
 _BACKEND_INSTALL = {
     "s3": _S3_EXTRA,
     "s3a": _S3_EXTRA,
@@ -60,7 +61,7 @@ _BACKEND_INSTALL = {
     "abfs": "pip install adlfs",
     "abfss": "pip install adlfs",
     "adl": "pip install adlfs",
-    "hf": "pip install huggingface_hub",
+    "hf": _HF_EXTRA,
 }
 
 
@@ -137,11 +138,46 @@ def key_of(fs: fsspec.AbstractFileSystem, root: str, name: str) -> str:
     return urllib.parse.unquote(key) if is_http(fs) else key
 
 
-def path_of(fs: fsspec.AbstractFileSystem, root: str, key: str) -> str:
-    """The filesystem path of key below root (the inverse of key_of)."""
+def path_of(
+    fs: fsspec.AbstractFileSystem, root: str, key: str, version: str | None = None
+) -> str:
+    """The filesystem path of key below root (the inverse of key_of). An ``hf://`` object's
+    path is pinned at the commit its version names (``hf_commit``): a GET reads the bytes the
+    manifest listed, not what a branch points to since."""
+    commit = hf_commit(version) if is_hf(fs) else None
+    if commit is not None:
+        root = hf_pinned(root, commit)
     if key == "":
         return root
     return f"{root.rstrip('/')}/{urllib.parse.quote(key) if is_http(fs) else key}"
+
+
+# --- hf:// (the Hugging Face Hub) ------------------------------------------------------------
+
+
+def is_hf(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "hf" in protocols
+
+
+def hf_commit(version: str | None) -> str | None:
+    """The commit an ``hf://`` object's version names (``commit=<sha>;oid=...``), if any."""
+    for part in (version or "").split(";"):
+        name, _, value = part.partition("=")
+        if name == "commit" and value:
+            return value
+    return None
+
+
+def hf_pinned(path: str, commit: str) -> str:
+    """An HfFileSystem path (``datasets/org/name[@rev]/sub``) at revision commit instead."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import parse_hf_uri
+
+    parsed = parse_hf_uri(f"hf://{path}")
+    prefix = constants.REPO_TYPES_URL_PREFIXES.get(parsed.type, "")
+    pinned = f"{prefix}{parsed.id}@{commit}"
+    return f"{pinned}/{parsed.path_in_repo}" if parsed.path_in_repo else pinned
 
 
 def _status(exc: BaseException) -> int | None:
@@ -154,6 +190,9 @@ def _status(exc: BaseException) -> int | None:
         value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if isinstance(value, int):
             return value
+    value = getattr(response, "status_code", None)  # httpx's (huggingface_hub's HfHubHTTPError)
+    if isinstance(value, int) and 100 <= value < 600:
+        return value
     return None
 
 
@@ -165,6 +204,10 @@ def _code_and_message(exc: BaseException) -> tuple[str | None, str | None]:
     if isinstance(response, dict):  # botocore ClientError
         error = response.get("Error") or {}
         return error.get("Code") or None, error.get("Message") or None
+    headers = getattr(response, "headers", None)  # the Hub's (huggingface_hub over httpx)
+    if headers is not None and hasattr(headers, "get"):
+        code, message = headers.get("X-Error-Code"), headers.get("X-Error-Message")
+        return (code or None), (message or None)
     return None, None
 
 
@@ -351,6 +394,8 @@ _SECRETS = re.compile(
     re.IGNORECASE,
 )
 _AWS_KEY_ID = re.compile(r"\b(?:AKIA|ASIA|AIDA|AROA|ANPA|AGPA)[A-Z0-9]{12,}\b")
+# A Hugging Face access token (``hf_`` and 30-odd letters and digits), wherever it shows.
+_HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{20,}\b")
 
 
 def scrub(text: str) -> str:
@@ -359,7 +404,7 @@ def scrub(text: str) -> str:
     ``Authorization`` headers, of signature, credential, token, secret and key fields, and
     AWS key ids become ``<redacted>``. For any text from a backend on its way into an error,
     a report or a log; idempotent."""
-    return _AWS_KEY_ID.sub(_REDACTED, _SECRETS.sub(_redact, text))
+    return _HF_TOKEN.sub(_REDACTED, _AWS_KEY_ID.sub(_REDACTED, _SECRETS.sub(_redact, text)))
 
 
 def _redact(match: re.Match[str]) -> str:
@@ -444,7 +489,17 @@ class RedactingFilter(logging.Filter):
 # arguments of each call: an SSE-C key in s3_additional_kwargs). Every logger already made
 # below these namespaces gets the filter too.
 _TRANSPORT_LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint", "s3fs")
-_TRANSPORT_NAMESPACES = ("botocore", "aiobotocore", "s3fs", "aiohttp", "fsspec", "urllib3")
+_TRANSPORT_NAMESPACES = (
+    "botocore",
+    "aiobotocore",
+    "s3fs",
+    "aiohttp",
+    "fsspec",
+    "urllib3",
+    "huggingface_hub",
+    "httpx",
+    "httpcore",
+)
 _FILTER = RedactingFilter()
 
 

@@ -281,7 +281,7 @@ class Stager:
         )
 
     def remote_path(self, obj: RemoteObject) -> str:
-        return path_of(self.fs, self.root, obj.key)
+        return path_of(self.fs, self.root, obj.key, obj.version)
 
     def failure(self, obj: RemoteObject, result: StageResult) -> RemoteError:
         """The error to raise for an object whose fetch failed after its retries."""

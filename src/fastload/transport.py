@@ -19,6 +19,8 @@ Three implementations, chosen per filesystem by :func:`transport_for`:
   other session or request setting (auth, cookies, an SSL context, a custom client),
   ``trust_env`` or a proxy in the environment (which obstore would use and aiohttp does
   not) leaves the filesystem to fsspec; listings are fsspec's in any case.
+- :class:`HubTransport` for the GETs of ``hf://`` (huggingface_hub's HfFileSystem): one
+  request to the file's ``/resolve/`` URL each, whose 429s reach fastload's throttle.
 - :class:`FsspecTransport` for everything else, and for S3 settings obstore does not carry
   (requester-pays, SSE-C keys, proxies, client certificates, virtual-host addressing on a
   custom endpoint) or answers it cannot follow (a redirect to another region; from an HTTP
@@ -47,7 +49,7 @@ import fsspec
 import fsspec.asyn
 
 from fastload.listing import Listing, from_arrow
-from fastload.remote import HTTPResponseError, is_http, scrub
+from fastload.remote import HTTPResponseError, is_hf, is_http, scrub
 
 Buffer = bytes | memoryview
 
@@ -398,6 +400,70 @@ class ObjectStoreHTTPTransport(_ObstoreTransport):
         return None
 
 
+class HubTransport:
+    """GETs of ``hf://`` files (huggingface_hub's HfFileSystem) as one request each: the
+    file's ``/resolve/<revision>/<path>`` URL on the filesystem's endpoint, with the headers
+    huggingface_hub sends (its token: from storage_options, ``$HF_TOKEN`` or the saved
+    login), through huggingface_hub's shared httpx client. HfFileSystem's own reads cost
+    a repository lookup and a listing per file opened and retry a 429 inside themselves,
+    seconds at a time, where fastload's stager would not see it; here a 429 (or 503)
+    reaches the stager, which backs off and halves its concurrency (AIMD) as for S3's
+    SlowDown. Listings are :mod:`fastload.manifest`'s (pinned at a commit)."""
+
+    def __init__(self, fs: Any, timeout_s: float, fallback: FsspecTransport) -> None:
+        self._fs = fs
+        self._timeout_s = timeout_s
+        self._fallback = fallback
+
+    @classmethod
+    def from_hf(cls, fs: Any, timeout_s: float) -> HubTransport | None:
+        if not is_hf(fs) or not hasattr(fs, "_api") or not hasattr(fs, "endpoint"):
+            return None
+        return cls(fs, timeout_s, FsspecTransport(fs, timeout_s))
+
+    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
+        import httpx
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import get_session, parse_hf_uri
+
+        if start is not None and start == end:
+            return b""
+        parsed = parse_hf_uri(f"hf://{path}")
+        if not parsed.is_repo or not parsed.path_in_repo:
+            return self._fallback.get(path, start, end)  # a bucket's file: HfFileSystem's
+        url = hf_hub_url(
+            parsed.id,
+            parsed.path_in_repo,
+            repo_type=parsed.type,
+            revision=parsed.revision or "main",
+            endpoint=self._fs.endpoint,
+        )
+        headers = self._fs._api._build_hf_headers()
+        if start is not None or end is not None:
+            headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        try:
+            response = get_session().get(url, headers=headers, timeout=self._timeout_s)
+        except httpx.TimeoutException:
+            raise TimeoutError(f"no complete answer within {self._timeout_s:g}s") from None
+        except httpx.TransportError as exc:  # its text names no URL; scrubbed all the same
+            raise ConnectionError(f"{type(exc).__name__}: {scrub(str(exc))[:200]}") from None
+        status = response.status_code
+        if status >= 400:
+            code = response.headers.get("X-Error-Code") or None
+            message = response.headers.get("X-Error-Message") or None
+            answer = NotFoundResponse if status == 404 else HTTPResponseError
+            raise answer(status, code, message)
+        data = response.content
+        if status == 200 and (start or end is not None):  # a range answered whole
+            data = data[start or 0 : end]
+        return data
+
+    def list_columns(
+        self, root: str, progress: Callable[[int], None] | None = None
+    ) -> Listing | None:
+        return None
+
+
 # What reqwest takes from the environment (aiohttp without trust_env does not).
 _PROXY_ENV = tuple(
     name for base in ("http_proxy", "https_proxy", "all_proxy") for name in (base, base.upper())
@@ -596,6 +662,7 @@ def transport_for(
         if not fsspec_only:
             made = ObjectStoreTransport.from_s3fs(fs, timeout_s)
             made = made or ObjectStoreHTTPTransport.from_http(fs, timeout_s)
+            made = made or HubTransport.from_hf(fs, timeout_s)
         transport = made if made is not None else FsspecTransport(fs, timeout_s)
         with _by_fs_lock:
             transport = _by_fs.setdefault(key, transport)

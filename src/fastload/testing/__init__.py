@@ -10,6 +10,8 @@ and counters (``stats()``) from ``RemoteControls``. ``S3FolderProcess`` runs an
 ``S3FolderServer`` in a process of its own, also serving *synthetic* buckets
 (``fastload.testing.synthetic``: ImageNet-sized folders and tar shard sets computed from
 (key, seed), never stored), and counts what it answered (``read_stats()``).
+``HubServerProcess`` serves a local folder as a Hugging Face Hub dataset repository
+(``hf://`` URLs, ``fastload.testing.hf_hub``) from a process of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fastload.testing.faults import (
     RemoteControls,
     RequestStats,
 )
+from fastload.testing.hf_hub import HubServer, HubServerProcess
 from fastload.testing.http_server import RangeHTTPServer
 from fastload.testing.process import HTTPServerProcess
 from fastload.testing.s3_folder import ReadStats, S3FolderProcess, S3FolderServer
@@ -30,6 +33,8 @@ __all__ = [
     "Fault",
     "FaultKind",
     "HTTPServerProcess",
+    "HubServer",
+    "HubServerProcess",
     "RangeHTTPServer",
     "ReadStats",
     "RemoteBehavior",
