@@ -64,8 +64,12 @@ bench-quick: install-bench
 bench: install-bench
 	$(BIN)/fastload bench
 
+# datasets (Hugging Face, the Parquet benchmark's peer) with a hub that mosaicml-streaming's
+# transformers accepts, and the s3fs that matches the fsspec datasets caps.
 bench-peers:
 	PYTHON=$(PYTHON) scripts/bench-peers .venv-peers
+	.venv-peers/bin/python -m pip install -q datasets "huggingface-hub<1.0" s3fs \
+		|| echo "bench-peers: could not install datasets; the Parquet benchmark will skip it"
 
 clean:
 	rm -rf build fastload-bench .pytest_cache .mypy_cache .ruff_cache
