@@ -47,6 +47,7 @@ __all__ = ["HubServer", "HubServerProcess"]
 _CONTROL = "/_fastload/"
 _TOKEN_ENV = "FASTLOAD_TEST_HUB_TOKEN"
 _START_TIMEOUT_S = 30.0
+_MAIN = "import sys; from fastload.testing.hf_hub import main; main(sys.argv[1:])"
 _API = re.compile(r"^/api/datasets/([^/]+/[^/]+)(?:/(revision|tree|paths-info)/([^/]+)(/.*)?)?$")
 _RESOLVE = re.compile(r"^/datasets/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -371,7 +372,8 @@ class HubServerProcess:
     ) -> None:
         self.repo_id = repo_id
         self.token = token
-        cmd = [sys.executable, "-m", "fastload.testing.hf_hub", str(Path(root).resolve())]
+        # -c, not -m: fastload.testing imports this module, which runpy would warn about.
+        cmd = [sys.executable, "-c", _MAIN, str(Path(root).resolve())]
         cmd += ["--repo-id", repo_id, "--page-size", str(page_size)]
         env = dict(os.environ)
         env.pop(_TOKEN_ENV, None)

@@ -1,0 +1,298 @@
+"""``hf://`` URLs: a dataset repository on a loopback Hugging Face Hub
+(``fastload.testing.HubServerProcess``, huggingface_hub's own HTTP API) listed, read and
+warmed through fastload's cache; the listing pinned at the commit SHA; the Hub's 429s taken
+as throttling; the token required, sent, and shown nowhere."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("huggingface_hub")
+
+import fastload as fl  # noqa: E402
+from fastload import stage  # noqa: E402
+from fastload.datasets import open_dataset  # noqa: E402
+from fastload.errors import RemoteAccessError  # noqa: E402
+from fastload.manifest import load_manifest  # noqa: E402
+from fastload.remote import scrub  # noqa: E402
+from fastload.stage import FetchConfig  # noqa: E402
+from fastload.testing import HubServerProcess  # noqa: E402
+
+TOKEN = "hf_FastloadTestTokenAbCdEfGhIjKlMnOpQr"
+QUICK = FetchConfig(jobs=4, min_jobs=1, retries=8, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)
+FASTLOAD = str(Path(sys.executable).parent / "fastload")
+
+
+def jpeg(seed: int) -> bytes:
+    from PIL import Image
+
+    image = Image.new("RGB", (16 + seed, 12), (seed * 20 % 256, 80, 160))
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def make_repo(root: Path) -> dict[str, bytes]:
+    """A few JPEG files in class folders below train/, and a README beside them."""
+    files = {f"train/{c}/{c}_{i}.jpg": jpeg(i + 3 * n) for n, c in enumerate(("cat", "dog")) for i in range(3)}
+    files["README.md"] = b"# a dataset\n"
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> dict[str, bytes]:
+    return make_repo(tmp_path / "repo")
+
+
+@pytest.fixture
+def hub(tmp_path: Path, repo: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServerProcess]:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    # page_size=4: the tree comes in pages, as from the Hub
+    with HubServerProcess(tmp_path / "repo", token=TOKEN, page_size=4) as server:
+        yield server
+
+
+def assert_clean(text: str, where: str) -> None:
+    assert TOKEN not in text, f"the token in {where}:\n{text}"
+
+
+def assert_cache_clean(cache: Path) -> None:
+    for path in cache.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), f"the token in {path}"
+
+
+def test_lists_and_reads_class_folders_through_the_cache(
+    hub: HubServerProcess, repo: dict[str, bytes], tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    ds = open_dataset(
+        hub.url_for("train"),
+        format="imagefolder",
+        cache_dir=str(cache),
+        storage_options=hub.storage_options,
+        fetch=QUICK,
+    )
+    assert ds.classes == ["cat", "dog"]
+    expected = sorted((k, v) for k, v in repo.items() if k.startswith("train/"))
+    assert [ds[i] for i in range(len(ds))] == [(v, 0 if "/cat/" in k else 1) for k, v in expected]
+    stats = hub.stats()
+    assert stats["resolve"] == len(expected)  # one GET a file, no HEADs, nothing twice
+    assert stats["tree"] >= 2  # paginated
+    assert "unauthorized" not in stats  # the token went with every request
+    again = [ds[i] for i in range(len(ds))]  # from the cache
+    assert hub.stats()["resolve"] == len(expected)
+    assert again[0][0] == expected[0][1]
+    manifest = load_manifest(hub.url_for("train"), cache, hub.storage_options)
+    head = json.loads(json.dumps(hub.stats())) and manifest.version(0)
+    assert head is not None and head.startswith("commit=") and ";oid=" in head
+    assert_cache_clean(cache)
+
+
+def test_parquet_from_the_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    root = tmp_path / "repo"
+    (root / "data").mkdir(parents=True)
+    table = pa.table(
+        {"image": [jpeg(i) for i in range(6)], "label": list(range(6)), "caption": list("abcdef")}
+    )
+    pq.write_table(table, root / "data" / "train.parquet", row_group_size=2)
+    with HubServerProcess(root, token=TOKEN) as server:
+        ds = open_dataset(
+            server.url_for("data"),
+            format="parquet",
+            cache_dir=str(tmp_path / "cache"),
+            storage_options=server.storage_options,
+            fetch=QUICK,
+        )
+        assert len(ds) == 6
+        rows = [ds[i] for i in range(len(ds))]
+        assert [r["label"] if isinstance(r, dict) else r[1] for r in rows] == list(range(6))
+        assert "unauthorized" not in server.stats()
+
+
+def test_the_listing_pins_the_commit_and_a_new_commit_is_fetched_again(
+    hub: HubServerProcess, repo: dict[str, bytes], tmp_path: Path
+) -> None:
+    cache = str(tmp_path / "cache")
+    url = hub.url_for("train")
+    old = open_dataset(url, format="files", cache_dir=cache, storage_options=hub.storage_options)
+    first_commit = old.store.manifest.version(0)
+    key = old.keys[0]
+    assert old[0] == repo[f"train/{key}"]
+    old_sha = first_commit.split(";")[0].removeprefix("commit=")
+
+    changed = b"\xff\xd8 a new picture \xff\xd9"
+    (tmp_path / "repo" / "train" / key).write_bytes(changed)
+    new_sha = hub.commit()
+    assert new_sha != old_sha
+
+    cached = open_dataset(url, format="files", cache_dir=cache, storage_options=hub.storage_options)
+    assert cached[0] == repo[f"train/{key}"]  # the cached listing: still the old commit
+
+    new = open_dataset(
+        url, format="files", cache_dir=cache, storage_options=hub.storage_options, refresh=True
+    )
+    versions = [new.store.manifest.version(i) for i in range(len(new.store.manifest))]
+    assert all(v is not None and v.startswith(f"commit={new_sha};") for v in versions)
+    before = hub.stats()["resolve"]
+    assert new[0] == changed  # not the old bytes the cache holds
+    assert new[1] == repo[f"train/{new.keys[1]}"]  # unchanged, but a new version: fetched
+    assert hub.stats()["resolve"] == before + 2
+
+    pinned = open_dataset(
+        hub.url_for("train", revision=old_sha),
+        format="files",
+        cache_dir=cache,
+        storage_options=hub.storage_options,
+    )
+    assert pinned.store.manifest.version(0).startswith(f"commit={old_sha};")
+    assert pinned[0] == repo[f"train/{key}"]  # the old commit's bytes, by its SHA
+
+
+def test_429s_are_throttling_retried_and_the_warm_succeeds(
+    hub: HubServerProcess, repo: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuts: list[int] = []  # the stager's AIMD throttle, each time it is told to slow down
+    throttled = stage._Throttle.throttled
+
+    def counted(self: stage._Throttle) -> None:
+        throttled(self)
+        cuts.append(self.limit)
+
+    monkeypatch.setattr(stage._Throttle, "throttled", counted)
+    url = hub.url_for("train")
+    hub.throttle_next(2, kind="repo_info")  # the listing too
+    listed = fl.warm(
+        url, cache_dir=str(tmp_path / "c"), storage_options=hub.storage_options, dry_run=True
+    )
+    assert listed.objects == 6
+    assert hub.stats()["throttled"] == 2
+    hub.throttle_next(8, kind="resolve")
+    report = fl.warm(
+        url,
+        cache_dir=str(tmp_path / "c"),
+        storage_options=hub.storage_options,
+        fetch=QUICK,
+        progress=False,
+    )
+    assert report.ok, report.failures
+    assert report.fetched == 6
+    stats = hub.stats()
+    assert stats["throttled"] == 10
+    assert stats["resolve"] == 6 + 8
+    # Every 429 reached the stager as throttling, and its concurrency was cut.
+    assert len(cuts) == 8
+    assert min(cuts) < QUICK.jobs
+    ds = open_dataset(url, format="files", cache_dir=str(tmp_path / "c"), storage_options=hub.storage_options)
+    assert {k: ds[i] for i, k in enumerate(ds.keys)} == {
+        k.removeprefix("train/"): v for k, v in repo.items() if k.startswith("train/")
+    }
+
+
+def test_429s_that_outlast_the_retries_are_reported_without_the_token(
+    hub: HubServerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    url = hub.url_for("train")
+    fl.warm(url, cache_dir=str(tmp_path / "c"), storage_options=hub.storage_options, dry_run=True)
+    hub.throttle_next(1000, kind="resolve")
+    fetch = FetchConfig(jobs=2, min_jobs=1, retries=1, backoff_s=0.01, backoff_max_s=0.02)
+    report = fl.warm(
+        url, cache_dir=str(tmp_path / "c"), storage_options=hub.storage_options, fetch=fetch, progress=False
+    )
+    assert report.failed == 6
+    assert all("429" in f["error"] and "after 2 attempts" in f["error"] for f in report.failures)
+    assert_clean(json.dumps(report.to_dict()), "the warm report")
+    assert_clean(caplog.text, "the logs")
+    assert_cache_clean(tmp_path / "c")
+
+
+@pytest.mark.parametrize("token", [False, "hf_WrongTokenAbCdEfGhIjKlMnOpQrStUv"], ids=["none", "wrong"])
+def test_the_token_is_required_and_shown_nowhere(
+    hub: HubServerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture, token: Any
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(RemoteAccessError) as caught:
+        fl.warm(
+            hub.url_for("train"),
+            cache_dir=str(tmp_path / "c"),
+            storage_options={**hub.storage_options, "token": token},
+        )
+    assert "401" in str(caught.value)
+    assert "hf://datasets/fastload/demo/train" in str(caught.value)
+    assert hub.stats()["unauthorized"] >= 1
+    import traceback
+
+    printed = "".join(traceback.format_exception(caught.value))
+    for text in (printed, caplog.text):
+        assert_clean(text, "the error or logs")
+        if isinstance(token, str):
+            assert token not in text
+    # Then with the right token: every log line and file still clean.
+    report = fl.warm(
+        hub.url_for("train"),
+        cache_dir=str(tmp_path / "c"),
+        storage_options=hub.storage_options,
+        fetch=QUICK,
+        progress=False,
+    )
+    assert report.ok and report.fetched == 6
+    assert_clean(caplog.text, "the logs")
+    assert_clean(repr(report) + json.dumps(report.to_dict()), "the report")
+    assert_cache_clean(tmp_path / "c")
+
+
+def test_scrub_removes_hf_tokens() -> None:
+    assert TOKEN not in scrub(f"headers: {{'authorization': 'Bearer {TOKEN}'}}")
+    assert TOKEN not in scrub(f"token={TOKEN}")
+    assert scrub(f"it was {TOKEN}.") == "it was <redacted>."
+
+
+def run_fastload(args: list[str], hub: HubServerProcess, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "FSSPEC_"))}
+    env.update(hub.env, HF_HOME=str(tmp_path / "hf-home"), FASTLOAD_CACHE_DIR=str(tmp_path / "cli-cache"))
+    src = str(Path(fl.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [FASTLOAD, *args], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+
+
+def test_fastload_warm_stages_a_nodes_share_from_the_hub(hub: HubServerProcess, tmp_path: Path) -> None:
+    url = hub.url_for("train")
+    hub.throttle_next(3, kind="resolve")
+    out = run_fastload(["warm", url, "--json"], hub, tmp_path)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["fetched"] == 6 and report["failed"] == 0
+    assert hub.stats()["throttled"] == 3
+    share = run_fastload(
+        ["warm", url, "--rank", "0", "--world-size", "2", "--epochs", "0..1", "--json",
+         "--cache-dir", str(tmp_path / "share-cache")],
+        hub,
+        tmp_path,
+    )
+    assert share.returncode == 0, share.stderr
+    shared = json.loads(share.stdout)
+    assert 0 < shared["objects"] <= 6 and shared["failed"] == 0
+    for text in (out.stdout, out.stderr, share.stdout, share.stderr):
+        assert_clean(text, "the script's output")
+    assert_cache_clean(tmp_path / "cli-cache")
+    assert_cache_clean(tmp_path / "share-cache")
