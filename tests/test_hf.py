@@ -19,14 +19,14 @@ import pytest
 
 pytest.importorskip("huggingface_hub")
 
-import fastload as fl  # noqa: E402
-from fastload import stage  # noqa: E402
-from fastload.datasets import open_dataset  # noqa: E402
-from fastload.errors import RemoteAccessError  # noqa: E402
-from fastload.manifest import load_manifest  # noqa: E402
-from fastload.remote import scrub  # noqa: E402
-from fastload.stage import FetchConfig  # noqa: E402
-from fastload.testing import HubServerProcess  # noqa: E402
+import fastload as fl
+from fastload import stage
+from fastload.datasets import open_dataset
+from fastload.errors import RemoteAccessError
+from fastload.manifest import load_manifest
+from fastload.remote import scrub
+from fastload.stage import FetchConfig
+from fastload.testing import HubServerProcess
 
 TOKEN = "hf_FastloadTestTokenAbCdEfGhIjKlMnOpQr"
 QUICK = FetchConfig(jobs=4, min_jobs=1, retries=8, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)
@@ -44,7 +44,11 @@ def jpeg(seed: int) -> bytes:
 
 def make_repo(root: Path) -> dict[str, bytes]:
     """A few JPEG files in class folders below train/, and a README beside them."""
-    files = {f"train/{c}/{c}_{i}.jpg": jpeg(i + 3 * n) for n, c in enumerate(("cat", "dog")) for i in range(3)}
+    files = {
+        f"train/{c}/{c}_{i}.jpg": jpeg(i + 3 * n)
+        for n, c in enumerate(("cat", "dog"))
+        for i in range(3)
+    }
     files["README.md"] = b"# a dataset\n"
     for name, data in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -58,7 +62,9 @@ def repo(tmp_path: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture
-def hub(tmp_path: Path, repo: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServerProcess]:
+def hub(
+    tmp_path: Path, repo: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[HubServerProcess]:
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     # page_size=4: the tree comes in pages, as from the Hub
@@ -98,8 +104,10 @@ def test_lists_and_reads_class_folders_through_the_cache(
     assert hub.stats()["resolve"] == len(expected)
     assert again[0][0] == expected[0][1]
     manifest = load_manifest(hub.url_for("train"), cache, hub.storage_options)
-    head = json.loads(json.dumps(hub.stats())) and manifest.version(0)
-    assert head is not None and head.startswith("commit=") and ";oid=" in head
+    head = manifest.version(0)
+    assert head is not None
+    assert head.startswith("commit=")
+    assert ";oid=" in head
     assert_cache_clean(cache)
 
 
@@ -200,7 +208,9 @@ def test_429s_are_throttling_retried_and_the_warm_succeeds(
     # Every 429 reached the stager as throttling, and its concurrency was cut.
     assert len(cuts) == 8
     assert min(cuts) < QUICK.jobs
-    ds = open_dataset(url, format="files", cache_dir=str(tmp_path / "c"), storage_options=hub.storage_options)
+    ds = open_dataset(
+        url, format="files", cache_dir=str(tmp_path / "c"), storage_options=hub.storage_options
+    )
     assert {k: ds[i] for i, k in enumerate(ds.keys)} == {
         k.removeprefix("train/"): v for k, v in repo.items() if k.startswith("train/")
     }
@@ -215,7 +225,11 @@ def test_429s_that_outlast_the_retries_are_reported_without_the_token(
     hub.throttle_next(1000, kind="resolve")
     fetch = FetchConfig(jobs=2, min_jobs=1, retries=1, backoff_s=0.01, backoff_max_s=0.02)
     report = fl.warm(
-        url, cache_dir=str(tmp_path / "c"), storage_options=hub.storage_options, fetch=fetch, progress=False
+        url,
+        cache_dir=str(tmp_path / "c"),
+        storage_options=hub.storage_options,
+        fetch=fetch,
+        progress=False,
     )
     assert report.failed == 6
     assert all("429" in f["error"] and "after 2 attempts" in f["error"] for f in report.failures)
@@ -224,7 +238,9 @@ def test_429s_that_outlast_the_retries_are_reported_without_the_token(
     assert_cache_clean(tmp_path / "c")
 
 
-@pytest.mark.parametrize("token", [False, "hf_WrongTokenAbCdEfGhIjKlMnOpQrStUv"], ids=["none", "wrong"])
+@pytest.mark.parametrize(
+    "token", [False, "hf_WrongTokenAbCdEfGhIjKlMnOpQrStUv"], ids=["none", "wrong"]
+)
 def test_the_token_is_required_and_shown_nowhere(
     hub: HubServerProcess, tmp_path: Path, caplog: pytest.LogCaptureFixture, token: Any
 ) -> None:
@@ -253,7 +269,8 @@ def test_the_token_is_required_and_shown_nowhere(
         fetch=QUICK,
         progress=False,
     )
-    assert report.ok and report.fetched == 6
+    assert report.ok
+    assert report.fetched == 6
     assert_clean(caplog.text, "the logs")
     assert_clean(repr(report) + json.dumps(report.to_dict()), "the report")
     assert_cache_clean(tmp_path / "c")
@@ -265,9 +282,13 @@ def test_scrub_removes_hf_tokens() -> None:
     assert scrub(f"it was {TOKEN}.") == "it was <redacted>."
 
 
-def run_fastload(args: list[str], hub: HubServerProcess, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def run_fastload(
+    args: list[str], hub: HubServerProcess, tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "FSSPEC_"))}
-    env.update(hub.env, HF_HOME=str(tmp_path / "hf-home"), FASTLOAD_CACHE_DIR=str(tmp_path / "cli-cache"))
+    env.update(
+        hub.env, HF_HOME=str(tmp_path / "hf-home"), FASTLOAD_CACHE_DIR=str(tmp_path / "cli-cache")
+    )
     src = str(Path(fl.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     return subprocess.run(
@@ -275,23 +296,38 @@ def run_fastload(args: list[str], hub: HubServerProcess, tmp_path: Path) -> subp
     )
 
 
-def test_fastload_warm_stages_a_nodes_share_from_the_hub(hub: HubServerProcess, tmp_path: Path) -> None:
+def test_fastload_warm_stages_a_nodes_share_from_the_hub(
+    hub: HubServerProcess, tmp_path: Path
+) -> None:
     url = hub.url_for("train")
     hub.throttle_next(3, kind="resolve")
     out = run_fastload(["warm", url, "--json"], hub, tmp_path)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["fetched"] == 6 and report["failed"] == 0
+    assert report["fetched"] == 6
+    assert report["failed"] == 0
     assert hub.stats()["throttled"] == 3
     share = run_fastload(
-        ["warm", url, "--rank", "0", "--world-size", "2", "--epochs", "0..1", "--json",
-         "--cache-dir", str(tmp_path / "share-cache")],
+        [
+            "warm",
+            url,
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--epochs",
+            "0..1",
+            "--json",
+            "--cache-dir",
+            str(tmp_path / "share-cache"),
+        ],
         hub,
         tmp_path,
     )
     assert share.returncode == 0, share.stderr
     shared = json.loads(share.stdout)
-    assert 0 < shared["objects"] <= 6 and shared["failed"] == 0
+    assert 0 < shared["objects"] <= 6
+    assert shared["failed"] == 0
     for text in (out.stdout, out.stderr, share.stdout, share.stderr):
         assert_clean(text, "the script's output")
     assert_cache_clean(tmp_path / "cli-cache")

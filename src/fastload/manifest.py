@@ -48,6 +48,7 @@ from fastload.errors import RemoteError
 from fastload.listing import ENCODING as _ENCODING
 from fastload.listing import Listing
 from fastload.remote import (
+    hf_parse,
     is_hf,
     is_http,
     key_of,
@@ -462,28 +463,33 @@ def _list_hub(
     ``commit=<sha>;oid=<git blob id>[;sha256=<LFS oid>]``: a new commit is a new version of
     every file (fetched again), and :func:`fastload.remote.path_of` pins each GET at the
     commit listed. None for a bucket (no commits: fsspec's find lists it)."""
-    from huggingface_hub.errors import EntryNotFoundError
     from huggingface_hub.hf_api import RepoFile
-    from huggingface_hub.utils import parse_hf_uri
 
-    parsed = parse_hf_uri(f"hf://{root}")
+    try:
+        from huggingface_hub.errors import EntryNotFoundError
+    except ImportError:  # huggingface_hub before 0.25
+        from huggingface_hub.utils import EntryNotFoundError  # type: ignore[attr-defined]
+
+    parsed = hf_parse(root)
     if not parsed.is_repo:
         return None
-    api: Any = fs._api  # type: ignore[attr-defined]
-    commit = api.repo_info(parsed.id, revision=parsed.revision, repo_type=parsed.type).sha
+    api: Any = fs._api
+    commit = api.repo_info(parsed.repo_id, revision=parsed.revision, repo_type=parsed.type).sha
     base = parsed.path_in_repo.strip("/")
     try:
         entries = [
             e
             for e in api.list_repo_tree(
-                parsed.id, base or None, recursive=True, revision=commit, repo_type=parsed.type
+                parsed.repo_id, base or None, recursive=True, revision=commit, repo_type=parsed.type
             )
             if isinstance(e, RepoFile)
         ]
     except EntryNotFoundError:  # root names a file
         entries = [
             e
-            for e in api.get_paths_info(parsed.id, [base], revision=commit, repo_type=parsed.type)
+            for e in api.get_paths_info(
+                parsed.repo_id, [base], revision=commit, repo_type=parsed.type
+            )
             if isinstance(e, RepoFile)
         ]
     keys, sizes, versions = [], [], []

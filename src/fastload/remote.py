@@ -17,6 +17,7 @@ redacts the same things (:func:`redact_transport_logs`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import http
 import logging
@@ -138,9 +139,7 @@ def key_of(fs: fsspec.AbstractFileSystem, root: str, name: str) -> str:
     return urllib.parse.unquote(key) if is_http(fs) else key
 
 
-def path_of(
-    fs: fsspec.AbstractFileSystem, root: str, key: str, version: str | None = None
-) -> str:
+def path_of(fs: fsspec.AbstractFileSystem, root: str, key: str, version: str | None = None) -> str:
     """The filesystem path of key below root (the inverse of key_of). An ``hf://`` object's
     path is pinned at the commit its version names (``hf_commit``): a GET reads the bytes the
     manifest listed, not what a branch points to since."""
@@ -169,14 +168,58 @@ def hf_commit(version: str | None) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class HubPath:
+    """An HfFileSystem path's parts: ``type`` ("dataset", "model", "space", ...),
+    ``repo_id``, ``revision`` (None: the default branch), ``path_in_repo``; ``is_repo`` is
+    False for a bucket (``buckets/...``), which has no commits."""
+
+    type: str
+    repo_id: str
+    revision: str | None
+    path_in_repo: str
+    is_repo: bool = True
+
+
+_SPECIAL_REF = re.compile(r"^(refs/convert/[^/]+|refs/pr/\d+)(?:/|$)")
+_HUB_TYPES = {"datasets": "dataset", "spaces": "space", "models": "model"}
+
+
+def hf_parse(path: str) -> HubPath:
+    """The parts of an HfFileSystem path (``datasets/org/name[@rev]/sub``): huggingface_hub's
+    own parser where it has one (1.x), the same grammar for repositories otherwise."""
+    import huggingface_hub
+
+    parse_hf_uri: Any = getattr(huggingface_hub, "parse_hf_uri", None)
+    if parse_hf_uri is not None:
+        p = parse_hf_uri(f"hf://{path}")
+        return HubPath(p.type, p.id, p.revision, p.path_in_repo, bool(p.is_repo))
+    head, _, rest = path.strip("/").partition("/")
+    if head == "buckets":
+        return HubPath("bucket", "/".join(rest.split("/")[:2]), None, "", is_repo=False)
+    kind = _HUB_TYPES.get(head)
+    if kind is None:
+        kind, rest = "model", path.strip("/")
+    org, _, rest = rest.partition("/")
+    name, _, rest = rest.partition("/")
+    revision = None
+    if "@" in name:
+        name, _, revision = name.partition("@")
+        special = _SPECIAL_REF.match(f"refs/{rest}") if revision == "refs" else None
+        if special is not None:  # refs/pr/3, refs/convert/parquet: slashes of the revision
+            revision = special.group(1)
+            rest = f"refs/{rest}"[len(revision) :]
+        revision = urllib.parse.unquote(revision)
+    return HubPath(kind, f"{org}/{name}", revision, rest.strip("/"))
+
+
 def hf_pinned(path: str, commit: str) -> str:
     """An HfFileSystem path (``datasets/org/name[@rev]/sub``) at revision commit instead."""
-    from huggingface_hub import constants
-    from huggingface_hub.utils import parse_hf_uri
-
-    parsed = parse_hf_uri(f"hf://{path}")
-    prefix = constants.REPO_TYPES_URL_PREFIXES.get(parsed.type, "")
-    pinned = f"{prefix}{parsed.id}@{commit}"
+    parsed = hf_parse(path)
+    prefix = {"dataset": "datasets/", "space": "spaces/"}.get(parsed.type, "")
+    if parsed.type not in ("dataset", "space", "model"):
+        prefix = f"{parsed.type}s/"
+    pinned = f"{prefix}{parsed.repo_id}@{commit}"
     return f"{pinned}/{parsed.path_in_repo}" if parsed.path_in_repo else pinned
 
 

@@ -49,7 +49,7 @@ import fsspec
 import fsspec.asyn
 
 from fastload.listing import Listing, from_arrow
-from fastload.remote import HTTPResponseError, is_hf, is_http, scrub
+from fastload.remote import HTTPResponseError, hf_parse, is_hf, is_http, scrub
 
 Buffer = bytes | memoryview
 
@@ -423,16 +423,15 @@ class HubTransport:
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
         import httpx
-        from huggingface_hub import hf_hub_url
-        from huggingface_hub.utils import get_session, parse_hf_uri
+        from huggingface_hub import get_session, hf_hub_url
 
         if start is not None and start == end:
             return b""
-        parsed = parse_hf_uri(f"hf://{path}")
+        parsed = hf_parse(path)
         if not parsed.is_repo or not parsed.path_in_repo:
             return self._fallback.get(path, start, end)  # a bucket's file: HfFileSystem's
         url = hf_hub_url(
-            parsed.id,
+            parsed.repo_id,
             parsed.path_in_repo,
             repo_type=parsed.type,
             revision=parsed.revision or "main",

@@ -178,7 +178,10 @@ class HubServer:
             if self.token is not None and authorization != f"Bearer {self.token}":
                 self._counts["unauthorized"] += 1
                 if authorization is None:
-                    return 401, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Invalid username or password."}
+                    return 401, {
+                        "X-Error-Code": "RepoNotFound",
+                        "X-Error-Message": "Invalid username or password.",
+                    }
                 return 401, {"X-Error-Message": "Invalid credentials in Authorization header"}
             if self._throttle_left > 0 and self._throttle_kind in (None, kind):
                 self._throttle_left -= 1
@@ -253,9 +256,12 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
             if refused is not None:
                 self._error(*refused)
                 return
-            repo = (api or resolve).group(1) if (api or resolve) else None
+            found = api or resolve
+            repo = found.group(1) if found is not None else None
             if repo is None or urllib.parse.unquote(repo) != hub.repo_id:
-                self._error(404, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"})
+                self._error(
+                    404, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}
+                )
                 return
             if resolve is not None:
                 self._resolve(resolve.group(2), urllib.parse.unquote(resolve.group(3)))
@@ -263,7 +269,9 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
             assert api is not None
             commit = hub._revision(api.group(3) or "main")
             if commit is None:
-                self._error(404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"})
+                self._error(
+                    404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"}
+                )
                 return
             if kind == "repo_info":
                 self._json(
@@ -281,14 +289,18 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
                 self._tree(commit, path, query, parts.path)
             else:
                 form = urllib.parse.parse_qs(body.decode())
-                found = [commit.entry(p.strip("/")) for p in form.get("paths", [])]
-                self._json(200, [e for e in found if e is not None])
+                infos = [commit.entry(p.strip("/")) for p in form.get("paths", [])]
+                self._json(200, [e for e in infos if e is not None])
 
-        def _tree(self, commit: _Commit, path: str, query: dict[str, list[str]], route: str) -> None:
+        def _tree(
+            self, commit: _Commit, path: str, query: dict[str, list[str]], route: str
+        ) -> None:
             recursive = (query.get("recursive") or ["False"])[0].lower() == "true"
             entries = commit.tree(path, recursive)
             if entries is None:
-                self._error(404, {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"})
+                self._error(
+                    404, {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"}
+                )
                 return
             cursor = int((query.get("cursor") or ["0"])[0])
             page = entries[cursor : cursor + hub.page_size]
@@ -303,10 +315,14 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
         def _resolve(self, revision: str, path: str) -> None:
             commit = hub._revision(revision)
             if commit is None:
-                self._error(404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"})
+                self._error(
+                    404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": "Invalid rev id"}
+                )
                 return
             if path not in commit.files:
-                self._error(404, {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"})
+                self._error(
+                    404, {"X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"}
+                )
                 return
             data, oid = commit.files[path]
             headers = {
@@ -334,7 +350,8 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
 
         def _control(self, action: str, query: dict[str, list[str]]) -> None:
             def arg(name: str, default: str | None = None) -> str | None:
-                return (query.get(name) or [default])[0]
+                values = query.get(name)
+                return values[0] if values else default
 
             if action == "stats":
                 self._json(200, hub.stats())
