@@ -332,3 +332,26 @@ def test_fastload_warm_stages_a_nodes_share_from_the_hub(
         assert_clean(text, "the script's output")
     assert_cache_clean(tmp_path / "cli-cache")
     assert_cache_clean(tmp_path / "share-cache")
+
+
+def test_without_huggingface_hub_the_error_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['huggingface_hub'] = None\n"
+        "from fastload.errors import MissingBackendError\n"
+        "from fastload.remote import check_protocols\n"
+        "try:\n"
+        "    check_protocols('hf://datasets/org/name/train')\n"
+        "except MissingBackendError as e:\n"
+        "    print(e)\n"
+    )
+    src = str(Path(fl.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    )
+    assert 'pip install "fastload[hf]"' in out.stdout
