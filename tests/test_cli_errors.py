@@ -58,7 +58,7 @@ CASES = {
         "must be 1 or more",
     ),
     "no jobs": Case(("warm", "{data}", "--jobs", "0"), 2, "must be 1 or more"),
-    "unknown format": Case(("warm", "{data}", "--format", "parquet"), 2, "invalid choice"),
+    "unknown format": Case(("warm", "{data}", "--format", "csv"), 2, "invalid choice"),
     "unknown command": Case(("frobnicate",), 2, "invalid choice"),
     "no cache there": Case(
         ("cache", "ls", "--cache-dir", "{cache}/missing"), 1, "no fastload cache"
