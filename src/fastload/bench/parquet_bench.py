@@ -315,11 +315,13 @@ class DecodeRows:
 
 
 def _epoch(loader: Iterable[Any], expected: int, size: int) -> dict[str, float]:
-    """One pass: seconds, samples and CPU seconds of this process tree."""
-    samples = 0
+    """One pass: seconds, the first batch's, samples and CPU seconds of this process tree."""
+    samples, first_s = 0, 0.0
     cpu_before = cpu_seconds(process_tree(os.getpid()))
     start = time.perf_counter()
     for images, labels in loader:
+        if not samples:
+            first_s = time.perf_counter() - start
         n = len(labels)
         if tuple(images.shape) != (n, 3, size, size):
             raise AssertionError(f"a batch of {n} has images of shape {tuple(images.shape)}")
@@ -330,6 +332,7 @@ def _epoch(loader: Iterable[Any], expected: int, size: int) -> dict[str, float]:
         raise AssertionError(f"{samples} samples in an epoch, not {expected}")
     return {
         "seconds": seconds,
+        "first_batch_s": first_s,
         "samples": samples,
         "cpu_s": sum(t - cpu_before.get(pid, 0.0) for pid, t in cpu_after.items()),
         "load_avg_1m": os.getloadavg()[0],
@@ -541,7 +544,11 @@ def _row(
         items=samples,
         nbytes=nbytes,
         note=f"{NOTES[system]}; load avg up to {load:.1f}",
-        extra={"cpu_us_per_sample": round(cpu_s / samples * 1e6, 1), **extra},
+        extra={
+            "cpu_us_per_sample": round(cpu_s / samples * 1e6, 1),
+            "first_batch_s": round(statistics.median(e["first_batch_s"] for e in epochs), 3),
+            **extra,
+        },
     )
 
 
