@@ -422,7 +422,6 @@ class HubTransport:
         return cls(fs, timeout_s, FsspecTransport(fs, timeout_s))
 
     def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
-        import httpx
         from huggingface_hub import get_session, hf_hub_url
 
         if start is not None and start == end:
@@ -442,10 +441,12 @@ class HubTransport:
             headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
         try:
             response = get_session().get(url, headers=headers, timeout=self._timeout_s)
-        except httpx.TimeoutException:
-            raise TimeoutError(f"no complete answer within {self._timeout_s:g}s") from None
-        except httpx.TransportError as exc:  # its text names no URL; scrubbed all the same
-            raise ConnectionError(f"{type(exc).__name__}: {scrub(str(exc))[:200]}") from None
+        except Exception as exc:  # the session's client: httpx, httpx2 or requests by version
+            name = type(exc).__name__
+            if "Timeout" in name:
+                raise TimeoutError(f"no complete answer within {self._timeout_s:g}s") from None
+            # Its text names no URL; scrubbed all the same.
+            raise ConnectionError(f"{name}: {scrub(str(exc))[:200]}") from None
         status = response.status_code
         if status >= 400:
             code = response.headers.get("X-Error-Code") or None
