@@ -269,11 +269,20 @@ def test_zarr_benchmark_runs_every_system_on_the_same_rows(tmp_path: Path) -> No
         rows=50, row_shape=(4, 4, 3), chunk_rows=8, sample_rows=6, latency_s=0.001, repeats=1
     )
     report = zarr_bench.run(tmp_path, config)
-    assert [r.system for r in report.rows] == [
+    random_rows = [r for r in report.rows if not r.case.startswith("sharding:")]
+    assert [r.system for r in random_rows] == [
         "zarr-python over HTTP (1 ms)",
         "zarr-python, local copy",
         "fastload, cached, decoded-chunk LRU",
         "fastload, cached, LRU off",
     ]
-    assert all(r.items == 6 and r.ratio is not None for r in report.rows)
+    assert all(r.items == 6 and r.ratio is not None for r in random_rows)
     assert "zarr-python over HTTP" in report.table()
+    # The sharding cases: each once unsharded (the reference) and once sharded.
+    sharding = [r for r in report.rows if r.case.startswith("sharding:")]
+    assert len(sharding) == 6
+    assert {r.system.split(" (")[0] for r in sharding} == {
+        "fastload, unsharded",
+        "fastload, sharded",
+    }
+    assert all(r.ratio is not None for r in sharding)
