@@ -28,7 +28,6 @@ import io
 import os
 import struct
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fastload.datasets.base import DatasetError, Range, ShardedDataset
+from fastload.datasets.lru import ProcessLRU
 from fastload.errors import MissingBackendError
 from fastload.store import CachedStore
 
@@ -76,68 +76,13 @@ class _File:
     rows: tuple[int, ...]  # per row group
 
 
-class DecodedRowGroups:
-    """An LRU of decoded row groups (columns as Python lists), bounded by bytes, private to
-    one process: it pickles to its budget only and empties itself after a fork."""
+class DecodedRowGroups(ProcessLRU[tuple[int, int], dict[str, list[Any]]]):
+    """Decoded row groups (columns as Python lists) by (file, row group)."""
+
+    setting = "row_group_cache_bytes"
 
     def __init__(self, max_bytes: int = DEFAULT_ROW_GROUP_CACHE_BYTES) -> None:
-        if max_bytes < 0:
-            raise ValueError(
-                f"row_group_cache_bytes must be >= 0 (0 turns it off), got {max_bytes}"
-            )
-        self.max_bytes = max_bytes
-        self._reset()
-
-    def _reset(self) -> None:
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._items: OrderedDict[tuple[int, int], tuple[dict[str, list[Any]], int]] = OrderedDict()
-        self.nbytes = 0
-        self.hits = 0
-        self.misses = 0
-
-    def __reduce__(self) -> tuple[type[DecodedRowGroups], tuple[int]]:
-        return (type(self), (self.max_bytes,))
-
-    def get(self, key: tuple[int, int], *, count: bool = True) -> dict[str, list[Any]] | None:
-        """The entry of key, counted as a hit or a miss unless ``count`` is False."""
-        if self._pid != os.getpid():
-            self._reset()
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                self.misses += count
-                return None
-            self._items.move_to_end(key)
-            self.hits += count
-            return item[0]
-
-    def put(self, key: tuple[int, int], value: dict[str, list[Any]], nbytes: int) -> None:
-        if nbytes > self.max_bytes:
-            return  # larger than the whole budget: keeping it would only evict the rest
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.nbytes -= old[1]
-            self._items[key] = (value, nbytes)
-            self.nbytes += nbytes
-            while self.nbytes > self.max_bytes:
-                _, (_, n) = self._items.popitem(last=False)
-                self.nbytes -= n
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self.nbytes = self.hits = self.misses = 0
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "hits": self.hits,
-            "misses": self.misses,
-            "entries": len(self._items),
-            "bytes": self.nbytes,
-            "max_bytes": self.max_bytes,
-        }
+        super().__init__(max_bytes)
 
 
 class ParquetDataset(ShardedDataset):

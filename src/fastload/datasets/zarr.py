@@ -40,8 +40,6 @@ import itertools
 import json
 import math
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,6 +48,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fastload.datasets.base import DatasetError, ShardedDataset
+from fastload.datasets.lru import ProcessLRU
 from fastload.store import CachedStore
 
 DEFAULT_CHUNK_CACHE_BYTES = 256 << 20
@@ -278,69 +277,13 @@ class ZarrPythonArray:
         return np.asarray(self.zarr_array[start:stop])
 
 
-class DecodedChunkCache:
-    """An LRU of decoded chunk-rows, bounded by bytes, private to one process.
+class DecodedChunkCache(ProcessLRU[tuple[str, int], Array]):
+    """Decoded chunk-rows (and shard indexes) by (chunk key, row)."""
 
-    It pickles to its budget only and empties itself after a fork, so DataLoader workers
-    each keep their own (and never inherit a lock held by another thread).
-    """
+    setting = "chunk_cache_bytes"
 
     def __init__(self, max_bytes: int = DEFAULT_CHUNK_CACHE_BYTES) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"chunk_cache_bytes must be >= 0 (0 turns it off), got {max_bytes}")
-        self.max_bytes = max_bytes
-        self._reset()
-
-    def _reset(self) -> None:
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._items: OrderedDict[tuple[str, int], tuple[Array, int]] = OrderedDict()
-        self.nbytes = 0
-        self.hits = 0
-        self.misses = 0
-
-    def __reduce__(self) -> tuple[type[DecodedChunkCache], tuple[int]]:
-        return (type(self), (self.max_bytes,))
-
-    def get(self, key: tuple[str, int]) -> Array | None:
-        if self._pid != os.getpid():
-            self._reset()
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return item[0]
-
-    def put(self, key: tuple[str, int], value: Array, nbytes: int) -> None:
-        if nbytes > self.max_bytes:
-            return  # larger than the whole budget: keeping it would only evict the rest
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.nbytes -= old[1]
-            self._items[key] = (value, nbytes)
-            self.nbytes += nbytes
-            while self.nbytes > self.max_bytes:
-                _, (_, n) = self._items.popitem(last=False)
-                self.nbytes -= n
-
-    def clear(self) -> None:
-        """Drops every entry and zeroes the counters."""
-        with self._lock:
-            self._items.clear()
-            self.nbytes = self.hits = self.misses = 0
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "hits": self.hits,
-            "misses": self.misses,
-            "entries": len(self._items),
-            "bytes": self.nbytes,
-            "max_bytes": self.max_bytes,
-        }
+        super().__init__(max_bytes)
 
 
 class ZarrDataset(ShardedDataset):
