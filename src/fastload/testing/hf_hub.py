@@ -30,8 +30,6 @@ import http.server
 import json
 import os
 import re
-import selectors
-import subprocess
 import sys
 import threading
 import urllib.parse
@@ -39,14 +37,14 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
+
+from fastload.testing.process import ChildServer
 
 __all__ = ["HubServer", "HubServerProcess"]
 
 _CONTROL = "/_fastload/"
 _TOKEN_ENV = "FASTLOAD_TEST_HUB_TOKEN"
-_START_TIMEOUT_S = 30.0
 _MAIN = "import sys; from fastload.testing.hf_hub import main; main(sys.argv[1:])"
 _API = re.compile(r"^/api/datasets/([^/]+/[^/]+)(?:/(revision|tree|paths-info)/([^/]+)(/.*)?)?$")
 _RESOLVE = re.compile(r"^/datasets/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
@@ -373,7 +371,7 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
     return Handler
 
 
-class HubServerProcess:
+class HubServerProcess(ChildServer):
     """A :class:`HubServer` serving ``root`` as the dataset repository ``repo_id`` from a
     child process; ``close()`` stops it. ``url_for(path)`` is the ``hf://`` URL of a path
     in the repository; ``storage_options`` (the endpoint and token) reach it from this
@@ -396,19 +394,7 @@ class HubServerProcess:
         env.pop(_TOKEN_ENV, None)
         if token is not None:  # not in argv, where ps would show it
             env[_TOKEN_ENV] = token
-        self._proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
-        assert self._proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._proc.stdout, selectors.EVENT_READ)
-            ready = sel.select(_START_TIMEOUT_S)
-        line = self._proc.stdout.readline().strip() if ready else ""
-        try:
-            started = json.loads(line)
-        except json.JSONDecodeError:
-            self.close()
-            raise RuntimeError(f"the test Hub did not start within {_START_TIMEOUT_S}s") from None
+        started = self._launch(cmd, "the test Hub", env)
         self.endpoint: str = started["endpoint"]
 
     def url_for(self, path: str = "", revision: str | None = None) -> str:
@@ -451,35 +437,6 @@ class HubServerProcess:
 
     def reset_stats(self) -> None:
         self._control("reset")
-
-    def pid(self) -> int:
-        return self._proc.pid
-
-    def close(self) -> None:
-        """Stops the server (closing its stdin), waiting a bounded time; idempotent."""
-        proc = self._proc
-        if proc.poll() is None:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None and not stream.closed:
-                stream.close()
-
-    def __enter__(self) -> HubServerProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ import sys
 import urllib.request
 from pathlib import Path
 from types import MappingProxyType, TracebackType
-from typing import Any
+from typing import Any, Self
 from urllib.parse import quote
 
 from fastload.testing.faults import RemoteBehavior, RequestStats
@@ -28,7 +28,62 @@ _START_TIMEOUT_S = 30.0
 _HELPER_TIMEOUT_S = 30.0
 
 
-class HTTPServerProcess:
+class ChildServer:
+    """A server in a process of its own: its command prints one JSON line once it serves,
+    and it stops when its stdin closes (``close()``, or the ``with`` block's end)."""
+
+    _proc: subprocess.Popen[str]
+
+    def _launch(
+        self, cmd: list[str], what: str, env: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Starts ``cmd``; returns the JSON line it printed (``what`` names it in the error
+        raised when none comes within the start timeout)."""
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        assert self._proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(_START_TIMEOUT_S)
+        line = self._proc.stdout.readline().strip() if ready else ""
+        try:
+            return dict(json.loads(line))
+        except json.JSONDecodeError:
+            self.close()
+            raise RuntimeError(f"{what} did not start within {_START_TIMEOUT_S}s") from None
+
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def close(self) -> None:
+        """Stops the server (closing its stdin), waiting a bounded time; idempotent."""
+        proc = self._proc
+        if proc.poll() is None:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class HTTPServerProcess(ChildServer):
     """``RangeHTTPServer`` serving ``root`` from a child process; ``close()`` stops it."""
 
     def __init__(
@@ -55,19 +110,7 @@ class HTTPServerProcess:
         cmd = [sys.executable, "-m", "fastload.testing", str(Path(root).resolve())]
         cmd += ["--behavior", json.dumps(dataclasses.asdict(behavior))]
         cmd += ["--s3"] * s3 + ["--tls"] * tls
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self._proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._proc.stdout, selectors.EVENT_READ)
-            ready = sel.select(_START_TIMEOUT_S)
-        line = self._proc.stdout.readline().strip() if ready else ""
-        try:
-            started = json.loads(line)
-        except json.JSONDecodeError:
-            self.close()
-            raise RuntimeError(
-                f"the test HTTP server did not start within {_START_TIMEOUT_S}s"
-            ) from None
+        started = self._launch(cmd, "the test HTTP server")
         self.url: str = started["url"]
         # The authority to trust for https (None for http), deleted when the server stops.
         self.ca_file: str | None = started["ca_file"]
@@ -79,9 +122,6 @@ class HTTPServerProcess:
     def storage_options(self) -> dict[str, Any]:
         """s3fs keyword arguments that reach an ``s3=True`` server (and trust it)."""
         return storage_options_for(self.url, self.ca_file)
-
-    def pid(self) -> int:
-        return self._proc.pid
 
     def url_for(self, relpath: str = "") -> str:
         rel = relpath.lstrip("/")
@@ -103,29 +143,3 @@ class HTTPServerProcess:
 
     def reset_stats(self) -> None:
         self._helper(RESET_PATH)
-
-    def close(self) -> None:
-        """Stops the server (closing its stdin), waiting a bounded time; idempotent."""
-        proc = self._proc
-        if proc.poll() is None:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None and not stream.closed:
-                stream.close()
-
-    def __enter__(self) -> HTTPServerProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
