@@ -14,6 +14,15 @@ from fastload.store import CachedStore
 Range: TypeAlias = tuple[str, int, int]  # (object key, offset, length)
 
 
+def keys_ending(store: CachedStore, suffix: str) -> list[str]:
+    """The sorted keys of the objects whose name ends with ``suffix`` (a format's files);
+    ``[""]`` where the URL names one such object itself."""
+    keys = store.object_keys()
+    if keys == [""] and store.url.endswith(suffix):
+        return keys
+    return sorted(k for k in keys if k.endswith(suffix))
+
+
 class DatasetError(FastloadError, ValueError):
     """A dataset cannot be opened as asked (empty, malformed, hostile); the message says where."""
 

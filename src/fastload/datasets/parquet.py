@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fastload.datasets.base import DatasetError, Range, ShardedDataset
+from fastload.datasets.base import DatasetError, Range, ShardedDataset, keys_ending
 from fastload.datasets.lru import ProcessLRU
 from fastload.errors import MissingBackendError
 from fastload.store import CachedStore
@@ -306,11 +306,9 @@ class ParquetDataset(ShardedDataset):
 
 
 def _parquet_keys(store: CachedStore) -> list[str]:
-    keys = store.object_keys()
-    if keys == [""] and store.url.endswith(".parquet"):
-        return keys  # the URL names one file
-    files = sorted(k for k in keys if k.endswith(".parquet"))
+    files = keys_ending(store, ".parquet")
     if not files:
+        keys = store.object_keys()
         raise DatasetError(
             f"{store.url} holds no .parquet files ({len(keys)} objects, e.g. {keys[:3]}); "
             "pick another format= (files, imagefolder, tar, zarr)"

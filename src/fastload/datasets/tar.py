@@ -64,7 +64,7 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 import numpy.typing as npt
 
-from fastload.datasets.base import DatasetError, Range, ShardedDataset
+from fastload.datasets.base import DatasetError, Range, ShardedDataset, keys_ending
 from fastload.errors import RemoteAccessError
 from fastload.remote import (
     classify,
@@ -383,17 +383,15 @@ def is_header_of(block: bytes | memoryview, name: str, size: int) -> bool:
 
 
 def _shard_keys(store: CachedStore) -> list[str]:
-    keys = store.object_keys()
-    if keys == [""] and store.url.endswith(".tar"):
-        return keys  # the URL names one shard
-    shards = sorted(k for k in keys if k.endswith(".tar"))
+    shards = keys_ending(store, ".tar")
     if not shards:
+        keys = store.object_keys()
         compressed = [k for k in keys if k.endswith((".tar.gz", ".tgz", ".tar.zst", ".tar.xz"))]
         hint = (
             f"; compressed shards such as {compressed[0]!r} cannot be read at random: "
             "decompress them to .tar"
             if compressed
-            else "; pick another format= (files, imagefolder, zarr)"
+            else "; pick another format= (files, imagefolder, parquet, zarr)"
         )
         raise DatasetError(
             f"{store.url} holds no .tar shards ({len(keys)} objects, e.g. {keys[:3]}){hint}"
