@@ -444,8 +444,10 @@ class ZarrDataset(ShardedDataset):
         # A shard this process read whole is read from its whole copy after that, without
         # deciding again (the decision tries a fetch lock: ~24 us an inner chunk).
         whole = self.shard_indices.get((key, _READ_WHOLE)) is not None
-        if not whole:
-            whole = self._reads_whole(a, spec, key, outer[0], asked)
+        if not whole:  # cached whole already (one index lookup), or worth reading whole
+            whole = self.store.local_path(key) is not None or self._reads_whole(
+                a, spec, key, outer[0], asked
+            )
             if whole:
                 self.shard_indices.put((key, _READ_WHOLE), _NOTHING, _ENTRY_OVERHEAD_BYTES)
         table = self._shard_index(spec, key, whole)
