@@ -10,7 +10,14 @@ import pytest
 from test_loader_bench import TINY
 
 from fastload import cli
-from fastload.bench import decode_bench, loader_bench, policy_bench, read_bench, stage_bench
+from fastload.bench import (
+    decode_bench,
+    loader_bench,
+    parquet_bench,
+    policy_bench,
+    read_bench,
+    stage_bench,
+)
 from fastload.bench.runner import Measurement, Report, relate
 
 TOY_STAGE = stage_bench.StageBenchConfig(
@@ -185,9 +192,17 @@ def test_fastload_bench_runs_every_benchmark_and_writes_each_json(
         decode_bench.DecodeBenchConfig, "quick", classmethod(lambda cls: toy_decode)
     )
     monkeypatch.setattr(loader_bench.LoaderBenchConfig, "quick", classmethod(lambda cls: TINY))
+    toy_parquet = parquet_bench.ParquetBenchConfig(
+        samples=32, files=1, row_group_rows=16, batch_size=16, repeats=1, latency_s=0.001,
+        systems=(parquet_bench.COLD, parquet_bench.WARM, parquet_bench.ARROW_FASTLOAD_DECODER),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        parquet_bench.ParquetBenchConfig, "quick", classmethod(lambda cls: toy_parquet)
+    )
     assert cli.main(["bench", "--components", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for name in ("read", "stage", "policy", "decode", "loader"):
+    for name in ("read", "stage", "policy", "decode", "loader", "parquet"):
         assert json.loads((tmp_path / f"{name}.json").read_text())["benchmark"] == name
+    assert "target: warm epoch" in out
     assert "fastload warm vs fsspec simplecache:: loop" in out
     assert "hit rate" in out

@@ -268,7 +268,14 @@ def bench_config(args: argparse.Namespace) -> E2EConfig:
 
 
 def _bench_components(args: argparse.Namespace) -> int:
-    from fastload.bench import decode_bench, loader_bench, policy_bench, read_bench, stage_bench
+    from fastload.bench import (
+        decode_bench,
+        loader_bench,
+        parquet_bench,
+        policy_bench,
+        read_bench,
+        stage_bench,
+    )
 
     quick, out = args.quick, Path(args.out)
     data = out / "data"
@@ -278,6 +285,8 @@ def _bench_components(args: argparse.Namespace) -> int:
     decode = decode_bench.DecodeBenchConfig.quick() if quick else decode_bench.DecodeBenchConfig()
     loader = loader_bench.LoaderBenchConfig.quick() if quick else loader_bench.LoaderBenchConfig()
     loader = loader_bench.configured(loader, step_holds_gil=args.step_holds_gil)
+    pq = parquet_bench.ParquetBenchConfig
+    parquet = pq.quick() if quick else pq()
     benchmarks: list[tuple[str, Path, Callable[[Path], Report]]] = [
         ("reading cached bytes", data, lambda d: read_bench.run(d, read)),
         ("staging from a remote over HTTP", data / "stage", lambda d: stage_bench.run(d, stage)),
@@ -296,6 +305,11 @@ def _bench_components(args: argparse.Namespace) -> int:
             data / "loader",
             lambda d: loader_bench.run(d, loader),
         ),
+        (
+            "Parquet against pyarrow.dataset and Hugging Face datasets",
+            data / "parquet",
+            lambda d: parquet_bench.run(d, parquet),
+        ),
     ]
     for title, where, run in benchmarks:
         print(f"fastload {fastload.__version__} bench: {title} (data in {where})", flush=True)
@@ -303,6 +317,8 @@ def _bench_components(args: argparse.Namespace) -> int:
         print(report.table())
         if report.name == "stage":
             print("\n".join(stage_bench.fastload_vs_peers(report)))
+        for line in report.params.get("targets", []) if report.name == "parquet" else []:
+            print(f"target: {line}")
         print(f"wrote {report.write_json(out)}\n", flush=True)
     return 0
 
@@ -509,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--components",
         action="store_true",
-        help="the component benchmarks instead (read, stage, cache policy, decode, loader)",
+        help="the component benchmarks instead (read, stage, cache policy, decode, loader, "
+        "Parquet)",
     )
     bench.add_argument(
         "--scale",
