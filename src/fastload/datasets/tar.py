@@ -887,7 +887,8 @@ def write_index(
         if to == "dataset" and why:
             raise DatasetError(f"cannot write an index next to the shards of {store.url}: {why}")
         objects = [store.object(k) for k in keys]
-        where = [path_of(fs, root, k) for k in keys]
+        # At the listed versions (an hf:// shard at the listed commit, not the branch's).
+        where = [path_of(fs, root, k, o.version) for k, o in zip(keys, objects, strict=True)]
         urls = [store.object_url(k) for k in keys]
         members = _stream_members(
             fs, list(zip(where, urls, [o.size for o in objects], strict=True)), jobs, progress
