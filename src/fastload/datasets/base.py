@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
@@ -25,6 +26,48 @@ def keys_ending(store: CachedStore, suffix: str) -> list[str]:
 
 class DatasetError(FastloadError, ValueError):
     """A dataset cannot be opened as asked (empty, malformed, hostile); the message says where."""
+
+
+class StoreFile(io.RawIOBase):
+    """Object ``key`` of a store as a seekable file (for ``tarfile``, pyarrow): each read
+    one ``_fetch``, by default ``store.read`` (from the cache, fetching it first if need
+    be)."""
+
+    def __init__(self, store: CachedStore, key: str, size: int | None) -> None:
+        self._store, self._key, self._size = store, key, size
+        self._pos = 0
+
+    def _fetch(self, offset: int, length: int) -> bytes:
+        return self._store.read(self._key, offset, length)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_END:
+            if self._size is None:
+                raise io.UnsupportedOperation("the size of this object is not known")
+            offset += self._size
+        elif whence == io.SEEK_CUR:
+            offset += self._pos
+        self._pos = max(offset, 0)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = len(view) if self._size is None else min(len(view), self._size - self._pos)
+        if want <= 0:
+            return 0
+        data = self._fetch(self._pos, want)
+        view[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
 
 
 class ShardedDataset:

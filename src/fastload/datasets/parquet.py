@@ -24,7 +24,6 @@ encoded one as its index); nulls as None; other columns as pyarrow's ``as_py`` g
 from __future__ import annotations
 
 import importlib
-import io
 import os
 import struct
 import threading
@@ -36,7 +35,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fastload.datasets.base import DatasetError, Range, ShardedDataset, keys_ending
+from fastload.datasets.base import (
+    DatasetError,
+    Range,
+    ShardedDataset,
+    StoreFile,
+    keys_ending,
+)
 from fastload.datasets.lru import ProcessLRU
 from fastload.errors import MissingBackendError
 from fastload.store import CachedStore
@@ -477,14 +482,13 @@ def _check_image(store: CachedStore, key: str, schema: Any, name: str) -> None:
 # --- reading -------------------------------------------------------------------------------
 
 
-class _RangeFile(io.RawIOBase):
-    """A Parquet file as a seekable file for pyarrow: reads within the spans fetched by
-    :meth:`prefetch` come from them, others are ``store.read_range`` calls (cached as range
-    entries, or cut from the whole file where it is cached)."""
+class _RangeFile(StoreFile):
+    """A Parquet file for pyarrow: reads within the spans fetched by :meth:`prefetch` come
+    from them, others are ``store.read_range`` calls (cached as range entries, or cut from
+    the whole file where it is cached)."""
 
     def __init__(self, store: CachedStore, key: str, size: int) -> None:
-        self._store, self._key, self._size = store, key, size
-        self._pos = 0
+        super().__init__(store, key, size)
         self._spans: list[tuple[int, bytes]] = []
 
     def prefetch(self, spans: Sequence[tuple[int, int]]) -> None:
@@ -497,41 +501,12 @@ class _RangeFile(io.RawIOBase):
                     "opened: open it again with refresh=True"
                 )
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_END:
-            offset += self._size
-        elif whence == io.SEEK_CUR:
-            offset += self._pos
-        self._pos = max(offset, 0)
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
-        if end <= self._pos:
-            return b""
-        start = self._pos
+    def _fetch(self, offset: int, length: int) -> bytes:
+        end = offset + length
         for at, data in self._spans:
-            if at <= start and end <= at + len(data):
-                out = data[start - at : end - at]
-                break
-        else:
-            out = self._store.read_range(self._key, start, end - start)
-        self._pos += len(out)
-        return out
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(memoryview(buffer).cast("B")))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)
+            if at <= offset and end <= at + len(data):
+                return data[offset - at : end - at]
+        return self._store.read_range(self._key, offset, length)
 
 
 __all__ = ["DEFAULT_ROW_GROUP_CACHE_BYTES", "DecodedRowGroups", "ParquetDataset"]

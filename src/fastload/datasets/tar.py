@@ -64,7 +64,13 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 import numpy.typing as npt
 
-from fastload.datasets.base import DatasetError, Range, ShardedDataset, keys_ending
+from fastload.datasets.base import (
+    DatasetError,
+    Range,
+    ShardedDataset,
+    StoreFile,
+    keys_ending,
+)
 from fastload.errors import RemoteAccessError
 from fastload.remote import (
     classify,
@@ -695,48 +701,11 @@ def _index_shards(store: CachedStore, keys: list[str]) -> dict[str, list[Member]
     return found
 
 
-class _StoreFile(io.RawIOBase):
-    """Object key of store as a seekable file, each read one ``store.read`` (from the cache,
-    fetching it first if need be)."""
-
-    def __init__(self, store: CachedStore, key: str, size: int | None) -> None:
-        self._store, self._key, self._size = store, key, size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_END:
-            if self._size is None:
-                raise io.UnsupportedOperation("the size of this object is not known")
-            offset += self._size
-        elif whence == io.SEEK_CUR:
-            offset += self._pos
-        self._pos = max(offset, 0)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        want = len(buffer) if self._size is None else min(len(buffer), self._size - self._pos)
-        if want <= 0:
-            return 0
-        data = self._store.read(self._key, self._pos, want)
-        memoryview(buffer).cast("B")[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 def _scan_shard(store: CachedStore, key: str) -> list[Member]:
     """The members of shard key, read through the cache, kept in the cache's indexes."""
     url = store.object_url(key)
     obj = store.object(key)
-    raw = _StoreFile(store, key, obj.size)
+    raw = StoreFile(store, key, obj.size)
     with io.BufferedReader(raw, _SCAN_READ_BYTES) as f:
         members = scan_tar(f, url, obj.size)
     _save(index_path(store, key), IndexFile.encode([(url, obj.size, obj.version, members)]))
