@@ -1,9 +1,14 @@
-"""fl.DataLoader's staging of formats read by range: a rank's Parquet row groups are staged
-as byte-range entries (never whole files), and sharded Zarr shards are fetched once each."""
+"""Staging formats read by range: a rank's Parquet row groups are staged as byte-range
+entries (never whole files), by fl.DataLoader and by a warm of the node's share, and
+sharded Zarr shards are fetched once each."""
 
 from __future__ import annotations
 
 import io
+import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,8 @@ from test_dataset_zarr_sharded import serve as serve_zarr
 import fastload as fl
 from fastload.datasets import open_dataset
 from fastload.datasets.parquet import ParquetDataset
+from fastload.sampler import ShardedSampler
+from fastload.warm import NodeShare, warm
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -53,8 +60,12 @@ def rows_by_id(files: dict[str, bytes]) -> dict[int, dict[str, Any]]:
     return rows
 
 
+def parquet_files() -> dict[str, bytes]:
+    return {f"data/train-{i:05d}.parquet": parquet_file(i * GROUPS * ROWS) for i in range(FILES)}
+
+
 def test_a_rank_stages_its_row_groups_as_ranges(tmp_path: Path) -> None:
-    files = {f"data/train-{i:05d}.parquet": parquet_file(i * GROUPS * ROWS) for i in range(FILES)}
+    files = parquet_files()
     assert all(pq.ParquetFile(pa.BufferReader(d)).num_row_groups == GROUPS for d in files.values())
     total = sum(len(d) for d in files.values())
     want = rows_by_id(files)
@@ -109,6 +120,77 @@ def test_a_rank_stages_its_row_groups_as_ranges(tmp_path: Path) -> None:
         again_counts = loader.stats()["counts"]
         assert again_counts["bytes_fetched"] == counts["bytes_fetched"]
         assert again_counts["cache_hits"] == len(ranges)  # this pass's ranges, all cached
+
+
+def test_warming_a_nodes_share_stages_its_row_groups_and_the_epoch_reads_no_more(
+    tmp_path: Path,
+) -> None:
+    """fastload warm --rank: rank 1 of 4's row groups as ranges (footers read by range to
+    plan them); then its epoch fetches nothing. All ranks' share: the files whole."""
+    files = parquet_files()
+    want = rows_by_id(files)
+    cache = str(tmp_path / "cache")
+    with serve("s3", tmp_path, files) as remote:
+        assert remote.server is not None
+        remote.server.reset_stats()
+        options = remote.storage_options
+        ds = open_dataset(remote.url, cache_dir=cache, storage_options=options)
+        opened = remote.server.stats().bytes_sent  # the listing and the footers
+        groups = {ds.shard_of(i) for i in ShardedSampler(ds, rank=1, world_size=4, seed=5)}
+        assert len(groups) < FILES * GROUPS
+        ranges = {r for g in groups for r in ds.stage_ranges(g) or []}
+        share = NodeShare(ranks=(1,), world_size=4, epochs=(0,), format="parquet", seed=5)
+        dry = warm(remote.url, cache_dir=cache, storage_options=options, share=share, dry_run=True)
+        assert (dry.objects, dry.ranges, dry.already_cached) == (0, len(ranges), 0)
+        report = warm(remote.url, cache_dir=cache, storage_options=options, share=share)
+        assert report.ok
+        assert (report.objects, report.ranges, report.fetched) == (0, len(ranges), len(ranges))
+        assert report.fetched_bytes == report.bytes == sum(n for _, _, n in ranges)
+        assert report.bytes >= len(groups) * ROWS * PAYLOAD
+        assert remote.server.stats().bytes_sent - opened == report.bytes  # the share only
+        again = warm(remote.url, cache_dir=cache, storage_options=options, share=share)
+        assert (again.fetched, again.already_cached) == (0, len(ranges))
+        assert all(ds.store.local_path(f.key) is None for f in ds.files)  # no whole file
+        loader = fl.DataLoader(
+            ds,
+            batch_size=4,
+            shuffle=True,
+            rank=1,
+            world_size=4,
+            seed=5,
+            collate_fn=lambda rows: rows,
+        )
+        gets = remote.total_gets()
+        rows = [row for batch in loader for row in batch]
+        assert len(rows) == FILES * GROUPS * ROWS // 4
+        assert all(row == want[row["id"]] for row in rows)
+        assert remote.total_gets() == gets  # the warm staged exactly what the rank reads
+        counts = loader.stats()["counts"]
+        assert "bytes_fetched" not in counts
+        assert counts["cache_hits"] > 0
+
+        node = NodeShare(ranks=(0, 1, 2, 3), world_size=4, epochs=(0,), format="parquet")
+        whole = warm(remote.url, cache_dir=cache, storage_options=options, share=node)
+        assert (whole.objects, whole.ranges, whole.fetched) == (FILES, 0, FILES)
+        assert all(ds.store.local_path(f.key) is not None for f in ds.files)
+
+
+def test_the_warm_command_reports_byte_ranges(tmp_path: Path) -> None:
+    with serve("http", tmp_path, parquet_files()) as remote:
+        exe = str(Path(sys.executable).parent / "fastload")
+        args = [exe, "warm", remote.url, "--cache-dir", str(tmp_path / "c")]
+        args += ["--rank", "0", "--world-size", "4", "--epochs", "0"]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stderr
+        # rank 0 reads half of one file or more (staged whole), and less of the other
+        assert re.match(r"1 objects and \d+ byte ranges: fetched \d+ ", out.stdout), out.stdout
+        dry = subprocess.run(
+            [*args, "--dry-run", "--json"], capture_output=True, text=True, timeout=120
+        )
+        assert dry.returncode == 0, dry.stderr
+        report = json.loads(dry.stdout)
+        assert report["ranges"] > 0
+        assert report["already_cached"] == report["ranges"] + 1
 
 
 def test_sharded_zarr_first_epoch_gets_each_shard_once(tmp_path: Path) -> None:

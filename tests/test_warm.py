@@ -529,11 +529,13 @@ def test_warming_a_node_share_stages_exactly_what_its_ranks_read(
 
     expected = _sampler_keys(served, tmp_path / "probe", ranks, world_size, (0, 1))
     share = NodeShare(ranks=ranks, world_size=world_size, epochs=(0, 1), format="files", seed=7)
-    keys, accesses = share.keys_and_accesses(
+    staging = share.staging(
         served.url, cache_dir=str(tmp_path / "probe"), storage_options=served.storage_options
     )
-    assert keys == expected  # the order they will first be read in
-    assert len(accesses) >= len(keys)
+    assert staging.keys == expected  # the order they will first be read in
+    assert staging.ranges == []
+    assert staging.accesses is not None
+    assert len(staging.accesses) >= len(expected)
     report = warm(
         served.url,
         cache_dir=str(tmp_path / "c"),

@@ -124,14 +124,17 @@ def _warm(args: argparse.Namespace) -> int:
         share=share,
         format=args.format if share is None else None,
     )
+    entries = f"{report.objects:,} objects"
+    if report.ranges:  # a node's share of Parquet row groups: byte ranges of files
+        entries = f"{report.objects:,} objects and {report.ranges:,} byte ranges"
     if args.dry_run:
         text = (
-            f"would fetch {report.objects - report.already_cached:,} objects "
-            f"({report.bytes / 1e6:,.1f} MB); {report.already_cached:,} already cached"
+            f"would fetch {report.objects + report.ranges - report.already_cached:,} of "
+            f"{entries} ({report.bytes / 1e6:,.1f} MB); {report.already_cached:,} already cached"
         )
     else:
         text = (
-            f"{report.objects:,} objects: fetched {report.fetched:,} "
+            f"{entries}: fetched {report.fetched:,} "
             f"({report.fetched_bytes / 1e6:,.1f} MB), already cached "
             f"{report.already_cached:,}, over budget {report.skipped:,}, "
             f"failed {report.failed:,} in {report.seconds:.1f}s"

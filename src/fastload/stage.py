@@ -432,12 +432,26 @@ class Stager:
         return data
 
     def read_remote(self, obj: RemoteObject, start: int | None, end: int | None) -> bytes:
-        """Bytes [start, end) of obj straight from the remote (what the cache turned away),
-        retried like a staged fetch."""
+        """Bytes [start, end) of obj straight from the remote (what the cache turned away,
+        or a byte range), retried like a staged fetch; a refusal for the request rate
+        (S3's 503 SlowDown, the Hub's 429) cuts the remote's concurrency as it does there."""
         transport = self.transport
+        throttle = _throttle_for(transport, self.config)
         path = self.remote_path(obj)
-        data = with_retries(lambda: transport.get(path, start, end), self.manifest.object_url(obj))
-        return bytes(data)
+        url = self.manifest.object_url(obj)
+
+        def get() -> Buffer:
+            try:
+                with throttle:  # under the remote's AIMD limit, as staged fetches are
+                    data = transport.get(path, start, end)
+            except Exception as exc:
+                if is_throttling(classify(exc, url)):
+                    throttle.throttled()
+                raise
+            throttle.succeeded()
+            return data
+
+        return bytes(with_retries(get, url))
 
 
 _range_pools: dict[int, ThreadPoolExecutor] = {}

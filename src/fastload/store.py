@@ -12,9 +12,10 @@ spawn.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
@@ -22,11 +23,23 @@ from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import integrity_error, open_filesystem, public_url
 from fastload.stage import FetchConfig, Holding, Stager, StageResult
 
+Range: TypeAlias = tuple[str, int, int]  # (object key, offset, length)
+
 # Bytes held in memory for objects the cache turns away, unless FetchConfig.hold_bytes or a
 # loader (its look-ahead) says otherwise.
 DEFAULT_HOLD_BYTES = 256 << 20
 # Objects a store remembers having looked up (a few batches' worth; then it starts over).
 _RECENT_OBJECTS = 1 << 14
+
+
+@dataclass(frozen=True)
+class RangeResult:
+    """What staging one byte range did: the bytes fetched (0: cached already), or the
+    error that failed it."""
+
+    range: Range
+    fetched: int
+    error: Exception | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +223,50 @@ class CachedStore:
         whole object is not (a Parquet row group, a Zarr inner chunk, a range of a large
         shard): the object is never downloaded whole, and the same range is local next time.
         """
+        data, _ = self._range(key, offset, length, read=True)
+        assert data is not None
+        return data
+
+    def stage_range(self, key: str, offset: int, length: int) -> int:
+        """Stages bytes [offset, offset + length) of key as a range entry unless the cache
+        holds them (the range, or the whole object); the bytes fetched (0: none)."""
+        data, fetched = self._range(key, offset, length, read=False)
+        return len(data) if fetched and data is not None else 0
+
+    def stage_ranges(
+        self, ranges: Sequence[Range], done: Callable[[RangeResult], None] | None = None
+    ) -> list[RangeResult]:
+        """Stages each (key, offset, length) as :meth:`stage_range` does, ``fetch.jobs`` at
+        a time (under the remote's AIMD limit), in order; a failure is reported, not
+        raised. ``done`` is called with each result as it comes, in this thread."""
+
+        def one(r: Range) -> RangeResult:
+            try:
+                return RangeResult(r, self.stage_range(*r))
+            except Exception as exc:
+                return RangeResult(r, 0, exc)
+
+        if not ranges:
+            return []
+        # Threads of its own: the staging threads' range pool would wait on these
+        # behind the AIMD limit while its own requests hold that limit.
+        threads = min(len(ranges), self.config.fetch.jobs)
+        results = []
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="fastload-stage-range")
+        try:
+            for result in pool.map(one, ranges):
+                results.append(result)
+                if done is not None:
+                    done(result)  # may raise: the ranges not begun are then dropped
+        finally:
+            pool.shutdown(cancel_futures=True)
+        return results
+
+    def _range(
+        self, key: str, offset: int, length: int, *, read: bool
+    ) -> tuple[bytes | None, bool]:
+        """read_range's bytes (None if not ``read`` and cached) and whether they were
+        fetched from the remote now."""
         obj = self.object(key)
         if offset < 0 or length < 0:
             raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
@@ -218,12 +275,12 @@ class CachedStore:
         url = self.manifest.object_url(obj)
         with self.cache.use(url, version=obj.version) as whole:
             if whole is not None:
-                return whole.read(offset, length)
+                return (whole.read(offset, length) if read else None), False
         span = (offset, length)
         for _ in range(3):  # a cached range can be evicted between publishing and reading
             with self.cache.use(url, version=obj.version, span=span) as where:
                 if where is not None:
-                    return where.read()
+                    return (where.read() if read else None), False
             lock = self.cache.fetch_lock(url, span)  # waits while another process fetches it
             try:
                 if self.cache.lookup(url, version=obj.version, span=span) is not None:
@@ -234,10 +291,10 @@ class CachedStore:
                 part = self.cache.new_part(url, span)
                 part.write(data)
                 self.cache.publish(part, version=obj.version)  # or turned away: still served
-                return data
+                return data, True
             finally:
                 lock.release()
-        return self._read_remote(obj, offset, length)
+        return self._read_remote(obj, offset, length), True
 
     def read_many(self, requests: Iterable[tuple[str, int, int | None]]) -> list[bytes]:
         return [self.read(k, o, n) for k, o, n in requests]

@@ -8,11 +8,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TextIO
 
-from fastload.cache import Cache, PlanHint, Policy
-from fastload.manifest import load_manifest
+from fastload.cache import PlanHint, Policy, range_url
+from fastload.errors import RemoteError
 from fastload.plan import DEFAULT_WINDOW_SHARDS
-from fastload.remote import open_filesystem, public_url
-from fastload.stage import FetchConfig, Stager, _Progress
+from fastload.remote import is_transient, public_url, scrub
+from fastload.stage import FetchConfig, StageResult, _Progress
+from fastload.store import CachedStore, Range, RangeResult, StoreConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,8 +37,9 @@ class NodeShare:
         if not self.epochs or min(self.epochs) < 0:
             raise ValueError(f"epochs must be one or more epochs >= 0, got {list(self.epochs)}")
 
-    def keys_and_accesses(self, url: str, **open_options: Any) -> tuple[list[str], list[str]]:
-        """The object keys to stage (first needed first) and every object access in order."""
+    def staging(self, url: str, **open_options: Any) -> Staging:
+        """What to stage for these ranks and epochs (first needed first), and every cache
+        entry they read, in order (for the ``plan`` policy)."""
         from fastload.datasets import open_dataset
         from fastload.plan import Plan
 
@@ -50,30 +52,52 @@ class NodeShare:
                 window_shards=self.window_shards,
             )
             future = plan.future(self.epochs, world_size=self.world_size, ranks=self.ranks)
-            keys = [k for s in future.first_needed for k in dataset.shard_keys[int(s)]]
-            store = dataset.store
-            accesses = [
-                store.object_url(k) for s in future.accesses() for k in dataset.shard_keys[int(s)]
-            ]
-        return list(dict.fromkeys(keys)), accesses
+            keys, ranges = dataset.to_stage(future.first_needed)
+            whole, store = set(keys), dataset.store
+            accesses: list[str] = []
+            for shard in future.accesses():
+                spans = dataset.stage_ranges(int(shard))
+                if spans is None:
+                    accesses += [store.object_url(k) for k in dataset.shard_keys[int(shard)]]
+                    continue
+                names = (
+                    store.object_url(k) if k in whole else range_url(store.object_url(k), (o, n))
+                    for k, o, n in spans
+                )
+                accesses += dict.fromkeys(names)
+        return Staging(keys=keys, ranges=ranges, accesses=accesses)
 
 
-def dataset_keys(url: str, format: str, **open_options: Any) -> list[str]:
-    """Every object key the dataset at url reads when opened in format, shard by shard."""
+@dataclass(frozen=True, kw_only=True)
+class Staging:
+    """What a warm fetches, first needed first: objects whole, and byte ranges of others
+    as cache entries of their own (a node's row groups of a Parquet file)."""
+
+    keys: list[str]
+    ranges: list[Range] = field(default_factory=list)
+    accesses: list[str] | None = None  # cache entries in the order they are read
+
+
+def dataset_staging(url: str, format: str, **open_options: Any) -> Staging:
+    """What staging the whole dataset at url, opened in format, fetches, shard by shard."""
     from fastload.datasets import open_dataset
 
     with open_dataset(url, format=format, **open_options) as dataset:
-        return list(dict.fromkeys(k for keys in dataset.shard_keys for k in keys))
+        keys, ranges = dataset.to_stage(range(len(dataset.shard_keys)))
+    return Staging(keys=keys, ranges=ranges)
 
 
 @dataclass(frozen=True, kw_only=True)
 class WarmReport:
-    """What a warm did; ``to_dict()`` is what ``fastload warm --json`` prints."""
+    """What a warm did; ``to_dict()`` is what ``fastload warm --json`` prints. ``objects``
+    are staged whole, ``ranges`` as byte ranges of others; the counts after ``bytes`` count
+    both."""
 
     url: str
     cache_dir: str
     objects: int
     bytes: int
+    ranges: int = 0
     fetched: int = 0
     fetched_bytes: int = 0
     already_cached: int = 0
@@ -164,71 +188,111 @@ def warm(
     ``progress=None`` shows a bar when stderr is a terminal.
     """
     started = time.monotonic()
-    hint: list[str] | None = None
+    open_options = {
+        "cache_dir": cache_dir,
+        "storage_options": storage_options,
+        "refresh": refresh,
+        "ttl_s": ttl_s,
+    }
+    staging: Staging | None = None
     if format is not None:
         if keys is not None or share is not None:
             raise ValueError("give one of keys, share and format (share has its own format)")
-        keys = dataset_keys(
-            url,
-            format,
-            cache_dir=cache_dir,
-            storage_options=storage_options,
-            refresh=refresh,
-            ttl_s=ttl_s,
-        )
-        refresh = False  # listed just now
+        staging = dataset_staging(url, format, **open_options)
     if share is not None:
         if keys is not None:
             raise ValueError("give keys or share, not both")
-        keys, hint = share.keys_and_accesses(
-            url, cache_dir=cache_dir, storage_options=storage_options, refresh=refresh, ttl_s=ttl_s
-        )
+        staging = share.staging(url, **open_options)
+    ranges: list[Range] = []
+    if staging is not None:
+        keys, ranges = staging.keys, staging.ranges
         refresh = False  # listed just now
-    with Cache(cache_dir, max_bytes=max_bytes, policy=policy) as cache:
-        if hint is not None:
-            cache.plan = PlanHint(hint)
-        manifest = load_manifest(url, cache.dir, storage_options, refresh=refresh, ttl_s=ttl_s)
-        objects = list(manifest.objects)
-        if keys is not None:
-            by_key = {o.key: o for o in objects}
-            unknown = [k for k in keys if k not in by_key]
-            if unknown:
-                raise KeyError(
-                    f"{len(unknown)} keys are not in the listing of {manifest.url}, e.g. "
-                    f"{unknown[0]!r}; relist with refresh=True if the dataset changed"
-                )
-            objects = [by_key[k] for k in dict.fromkeys(keys)]
-        total_bytes = sum(o.size or 0 for o in objects)
-        shown, cache_dir_text = public_url(url), str(cache.dir)
-        if dry_run:
-            missing = [
-                o
-                for o in objects
-                if cache.lookup(manifest.object_url(o), version=o.version, size=o.size) is None
-            ]
-            return WarmReport(
-                url=shown,
-                cache_dir=cache_dir_text,
-                objects=len(objects),
-                bytes=sum(o.size or 0 for o in missing),
-                already_cached=len(objects) - len(missing),
-                fetched=0,
-                dry_run=True,
-                seconds=time.monotonic() - started,
+    config = fetch or (FetchConfig(jobs=jobs, min_jobs=min(2, jobs)) if jobs else FetchConfig())
+    store = CachedStore(
+        StoreConfig(
+            url=url,
+            cache_dir=cache_dir,
+            storage_options=dict(storage_options or {}),
+            max_bytes=max_bytes,
+            policy=policy,
+            refresh=refresh,
+            ttl_s=ttl_s,
+            fetch=config,
+        )
+    )
+    try:
+        return _warm(store, keys, ranges, staging, dry_run, progress, started)
+    finally:
+        store.close()
+
+
+def _warm(
+    store: CachedStore,
+    keys: Sequence[str] | None,
+    ranges: list[Range],
+    staging: Staging | None,
+    dry_run: bool,
+    progress: bool | Callable[[_Progress], None] | None,
+    started: float,
+) -> WarmReport:
+    cache, manifest = store.cache, store.manifest
+    if staging is not None and staging.accesses is not None:
+        cache.plan = PlanHint(staging.accesses)
+    objects = list(manifest.objects)
+    if keys is not None:
+        by_key = {o.key: o for o in objects}
+        unknown = [k for k in keys if k not in by_key]
+        if unknown:
+            raise KeyError(
+                f"{len(unknown)} keys are not in the listing of {manifest.url}, e.g. "
+                f"{unknown[0]!r}; relist with refresh=True if the dataset changed"
             )
-        fs, root = open_filesystem(url, storage_options)
-        config = fetch or (FetchConfig(jobs=jobs, min_jobs=min(2, jobs)) if jobs else FetchConfig())
-        callback = progress if callable(progress) else None
-        if progress is None or progress is True:
-            callback = ProgressBar(len(objects), total_bytes)
-        stager = Stager(cache=cache, manifest=manifest, fs=fs, root=root, config=config)
-        results = stager.stage(objects, progress=callback)
-        cache.touch([r.url for r in results if r.outcome == "cached"])
+        objects = [by_key[k] for k in dict.fromkeys(keys)]
+    range_bytes = sum(n for _, _, n in ranges)
+    total_bytes = sum(o.size or 0 for o in objects) + range_bytes
+    shown, cache_dir_text = public_url(store.config.url), str(cache.dir)
+    if dry_run:
+        missing = [
+            o
+            for o in objects
+            if cache.lookup(manifest.object_url(o), version=o.version, size=o.size) is None
+        ]
+        missing_ranges = [r for r in ranges if not _range_cached(store, r)]
+        return WarmReport(
+            url=shown,
+            cache_dir=cache_dir_text,
+            objects=len(objects),
+            ranges=len(ranges),
+            bytes=sum(o.size or 0 for o in missing) + sum(n for _, _, n in missing_ranges),
+            already_cached=len(objects) - len(missing) + len(ranges) - len(missing_ranges),
+            fetched=0,
+            dry_run=True,
+            seconds=time.monotonic() - started,
+        )
+    callback = progress if callable(progress) else None
+    if progress is None or progress is True:
+        callback = ProgressBar(len(objects) + len(ranges), total_bytes)
+    results = store.stager.stage(objects, progress=callback)
+    cache.touch([r.url for r in results if r.outcome == "cached"])
+    tracker = _Progress(
+        objects_done=len(results),
+        bytes_done=sum(r.nbytes for r in results),
+        fetched_bytes=sum(r.nbytes for r in results if r.outcome == "fetched"),
+        callback=callback,
+    )
+
+    def done(result: RangeResult) -> None:
+        staged = _staged_range(store, result)
+        results.append(staged)
+        tracker.add(staged)
+
+    store.stage_ranges(ranges, done=done)
     failures = [{"url": r.url, "error": r.error or ""} for r in results if r.outcome == "failed"]
     return WarmReport(
         url=shown,
         cache_dir=cache_dir_text,
         objects=len(objects),
+        ranges=len(ranges),
         bytes=total_bytes or sum(r.nbytes for r in results),
         fetched=sum(r.outcome == "fetched" for r in results),
         fetched_bytes=sum(r.nbytes for r in results if r.outcome == "fetched"),
@@ -238,3 +302,29 @@ def warm(
         failures=failures,
         seconds=time.monotonic() - started,
     )
+
+
+def _staged_range(store: CachedStore, result: RangeResult) -> StageResult:
+    """A range's result as a staged object's (its URL naming the bytes); raises a
+    permanent failure, as staging objects does."""
+    key, offset, length = result.range
+    url = f"{store.object_url(key)} (bytes {offset}-{offset + length - 1})"
+    error = result.error
+    if error is None:
+        if result.fetched:
+            return StageResult(url, "fetched", result.fetched)
+        return StageResult(url, "cached", length)
+    if not isinstance(error, RemoteError) or not is_transient(error):
+        raise error
+    return StageResult(url, "failed", error=error.reason or scrub(str(error)))
+
+
+def _range_cached(store: CachedStore, r: Range) -> bool:
+    """Whether the cache holds range r: as an entry of its own, or its whole object."""
+    key, offset, length = r
+    obj = store.object(key)
+    url = store.manifest.object_url(obj)
+    cache = store.cache
+    if cache.lookup(url, version=obj.version) is not None:
+        return True
+    return cache.lookup(url, version=obj.version, span=(offset, length)) is not None

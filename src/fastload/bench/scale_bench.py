@@ -224,9 +224,9 @@ def child_main(spec: dict[str, Any]) -> None:
     share_keys: list[str] | None = None
     if kind == "warm":
         share = _node_share(spec)
-        share_keys, _ = share.keys_and_accesses(
+        share_keys = share.staging(
             spec["url"], cache_dir=spec["cache"], storage_options=spec["storage_options"]
-        )
+        ).keys
     gc.collect()
     _say({"ready": rollup()})
     _wait("go")

@@ -37,6 +37,7 @@ from fastload.cache.core import (
     entry_id,
     object_id,
     printable,
+    range_url,
 )
 from fastload.cache.index import Entry
 from fastload.cache.locks import FetchLock, FetchLocks
@@ -61,4 +62,5 @@ __all__ = [
     "entry_id",
     "object_id",
     "printable",
+    "range_url",
 ]

@@ -45,10 +45,13 @@ def object_id(url: str) -> str:
 
 def entry_id(url: str, span: Span | None = None) -> str:
     """The id of url's whole object, or of its byte range span."""
-    if span is None:
-        return object_id(url)
+    return object_id(url if span is None else range_url(url, span))
+
+
+def range_url(url: str, span: Span) -> str:
+    """The name of url's byte range span as a cache entry (as a plan's access names it)."""
     start, length = span
-    return object_id(f"{url}\0bytes={start}+{length}")  # no URL holds a NUL
+    return f"{url}\0bytes={start}+{length}"  # no URL holds a NUL
 
 
 def printable(url: str) -> str:

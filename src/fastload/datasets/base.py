@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
-from typing import Any, TypeAlias
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from fastload.errors import FastloadError
 from fastload.store import CachedStore
-
-Range: TypeAlias = tuple[str, int, int]  # (object key, offset, length)
+from fastload.store import Range as Range  # (object key, offset, length), as formats use it
 
 
 def keys_ending(store: CachedStore, suffix: str) -> list[str]:
@@ -155,13 +154,42 @@ class ShardedDataset:
         return data
 
     def warm(self, shards: Sequence[int] | None = None) -> None:
-        """Stages the given shards (all by default) into the cache now, in that order."""
+        """Stages the given shards (all by default) into the cache now, in that order, as
+        :meth:`to_stage` says: whole objects, or byte ranges of them."""
         order = range(len(self.shard_keys)) if shards is None else shards
-        keys = list(dict.fromkeys(k for s in order for k in self.shard_keys[s]))
+        keys, ranges = self.to_stage(order)
         results = self.store.stage(keys)
         failed = [r for r in results if r.outcome == "failed"]
         if failed:
             raise self.store.stager.failure(self.store.object(keys[0]), failed[0])
+        for r in self.store.stage_ranges(ranges):
+            if r.error is not None:
+                raise r.error
+
+    def to_stage(self, shards: Iterable[int]) -> tuple[list[str], list[Range]]:
+        """What staging ``shards`` fetches, first needed first: the objects to stage whole,
+        and the byte ranges to stage as entries of their own (shards whose
+        :meth:`stage_ranges` gives ranges). An object whose ranges here come to half its
+        size or more is staged whole instead: one request, for little more."""
+        keys: dict[str, None] = {}
+        ranges: dict[Range, None] = {}
+        for shard in shards:
+            spans = self.stage_ranges(int(shard))
+            if spans is None:
+                keys.update(dict.fromkeys(self.shard_keys[shard]))
+            else:
+                ranges.update(dict.fromkeys(spans))
+        if not ranges:
+            return list(keys), []
+        wanted: dict[str, int] = {}
+        for key, _, length in ranges:
+            wanted[key] = wanted.get(key, 0) + length
+        sizes = {o.key: o.size for o in self.store.objects(list(wanted))}
+        whole = {
+            k for k, n in wanted.items() if 2 * n >= (sizes[k] or n + 1)
+        }  # size unknown: ranges
+        keys.update((key, None) for key, _, _ in ranges if key in whole)
+        return list(keys), [r for r in ranges if r[0] not in whole]
 
     def close(self) -> None:
         """Closes the cache handle; the dataset re-opens it if used again."""

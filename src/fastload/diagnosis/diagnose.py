@@ -102,7 +102,12 @@ def doctor(
         the_step = _step(step, model, step_ms, step_holds_gil, running, settings, notes)
         world = _world(rank, world_size, local_world_size)
         bar = PhaseProgress(progress)
-        with _Diagnosis(dataset, settings, the_step, world, phase_s, bar, notes) as diagnosis:
+        # The order the job reads in, for the warm command: a loader's own plan; for a URL,
+        # a training job's (shuffled, every sample).
+        job_order = (plan.seed, plan.shuffle, plan.drop_last) if plan is not None else None
+        with _Diagnosis(
+            dataset, settings, the_step, world, phase_s, bar, notes, job_order=job_order
+        ) as diagnosis:
             diagnosis.run_phases(cold)
             report = diagnosis.report(usd, epochs_per_day)
             if apply:
@@ -127,8 +132,11 @@ class _Diagnosis:
         phase_s: float,
         progress: PhaseProgress,
         notes: list[str],
+        *,
+        job_order: tuple[int, bool, bool] | None = None,
     ) -> None:
         self.dataset, self.settings, self.step = dataset, settings, step
+        self.job_order = job_order  # (seed, shuffle, drop_last) of the job's plan, if known
         self.rank, self.world_size, self.lws = world
         self.phase_s, self.bar, self.notes = phase_s, progress, notes
         self.batch_size = int(settings.get("batch_size") or 1)
@@ -260,7 +268,14 @@ class _Diagnosis:
         if neck == "none":
             self.notes.append("nothing to fix on the data side: the step keeps the GPU busy")
         else:
-            warm = _warm_command(self.dataset, self.rank, self.world_size, self.lws, self.settings)
+            seed, shuffle, drop_last = self.job_order or (
+                int(self.settings.get("seed") or 0),
+                True,
+                False,
+            )
+            warm = _warm_command(
+                self.dataset, self.rank, self.world_size, self.lws, seed, shuffle, drop_last
+            )
             fixes = predict.fixes(
                 m,
                 model,
@@ -567,15 +582,23 @@ def _default_lookahead() -> int:
 
 
 def _warm_command(
-    dataset: ShardedDataset, rank: int, world_size: int, lws: int, settings: dict[str, Any]
+    dataset: ShardedDataset,
+    rank: int,
+    world_size: int,
+    lws: int,
+    seed: int,
+    shuffle: bool,
+    drop_last: bool,
 ) -> str:
+    """``fastload warm`` of this node's share, with the plan settings of the job's sampler
+    (another order would stage other shards)."""
     first = rank - rank % lws
     ranks = str(first) if lws == 1 else f"{first}..{first + lws - 1}"
-    seed = int(settings.get("seed") or 0)
-    cache = f" --cache-dir {dataset.store.cache.dir}"
+    plan = (f" --seed {seed}" if seed else "") + ("" if shuffle else " --no-shuffle")
+    plan += " --drop-last" if drop_last else ""
     return (
         f"fastload warm {dataset.store.url} --format {dataset.format} --rank {ranks} "
-        f"--world-size {world_size} --epochs 0" + (f" --seed {seed}" if seed else "") + cache
+        f"--world-size {world_size} --epochs 0{plan} --cache-dir {dataset.store.cache.dir}"
     )
 
 

@@ -177,33 +177,23 @@ class BatchBuilder:
         store = self.dataset.store
         keys = list(dict.fromkeys(key for key, _, _ in ranges))
         whole = dict(zip(keys, store.local_paths(keys), strict=True))
-        objects = dict(zip(keys, store.objects(keys), strict=True))
         todo = [r for r in ranges if whole[r[0]] is None]
         for r in ranges:
             if whole[r[0]] is not None:
                 self._staged_ranges[r] = None
 
         def fetch(r: Range) -> tuple[Range, int | BaseException]:
-            key, offset, length = r
-            obj = objects[key]
-            if obj.size is not None:  # as read_range clips it: the span its entry is under
-                length = max(0, min(length, obj.size - offset))
-            url = store.manifest.object_url(obj)
             with self._fetching_lock:
                 if r in self._fetching:
                     return r, 0
                 self._fetching.add(r)
             try:
-                span = (offset, length)
-                if store.cache.lookup(url, version=obj.version, span=span) is not None:
-                    return r, 0
-                store.read_range(key, offset, length)
+                return r, store.stage_range(*r)
             except Exception as e:  # the reader meets it again, and raises it at its batch
                 return r, e
             finally:
                 with self._fetching_lock:
                     self._fetching.discard(r)
-            return r, length
 
         for r, got in _range_pool().map(fetch, todo):
             if isinstance(got, BaseException):
