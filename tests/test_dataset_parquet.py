@@ -22,7 +22,7 @@ from test_dataset_tar import serve
 import fastload as fl
 from fastload.datasets import DatasetError, detect_format, open_dataset
 from fastload.datasets.parquet import ParquetDataset
-from fastload.decode import TrainPreset
+from fastload.decode import DecodeError, TrainPreset
 from fastload.sampler import ShardedSampler
 
 pa = pytest.importorskip("pyarrow")
@@ -304,6 +304,24 @@ def test_loader_decodes_images_with_their_labels(tmp_path: Path, files: dict[str
             assert images.dtype == torch.float32
             labels += batch_labels.tolist()
         assert collections.Counter(labels) == collections.Counter(i % 3 for i in range(40))
+
+
+def test_a_null_image_raises_naming_its_row_or_is_skipped(tmp_path: Path) -> None:
+    t = table(9, 0, null_image=2)
+    with serve("local", tmp_path, {"one.parquet": parquet_bytes(t, 4)}) as remote:
+        ds = open_parquet(remote, tmp_path / "c")
+        settings: dict[str, Any] = {"batch_size": 4, "decode": "cpu", "transform": TrainPreset(32)}
+        with pytest.raises(DecodeError, match=r"sample 2 \(row 2 of row group 0 of .*one\.parquet"):
+            list(fl.DataLoader(ds, **settings))
+        loader = fl.DataLoader(ds, on_error="skip", **settings)
+        batches = list(loader)
+        assert [len(labels) for _, labels in batches] == [4, 4, 1]  # full batches
+        # sample 2's place goes to another sample of its batch
+        assert batches[0][1].tolist() == [0, 1, 0, 0]
+        assert torch.equal(batches[0][0][2], batches[0][0][0])
+        stats = loader.stats()
+        assert stats["skipped_samples"] == 1
+        assert "its 'image' is null" in stats["skipped_examples"][0]
 
 
 def test_sampler_covers_every_row_once_and_resumes_on_more_ranks(

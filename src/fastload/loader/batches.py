@@ -27,7 +27,7 @@ from fastload.datasets.base import Range, ShardedDataset
 from fastload.datasets.folder import FileDataset, ImageFolderDataset
 from fastload.datasets.parquet import ParquetDataset
 from fastload.datasets.tar import TarDataset
-from fastload.decode import DecodeError, Decoder
+from fastload.decode import DecodedBatch, DecodeError, Decoder
 from fastload.errors import FastloadError
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
@@ -496,15 +496,20 @@ class BatchBuilder:
                 label = int(text) if text.lstrip("-").isdigit() else text
             return image, label
         if isinstance(ds, ParquetDataset) and ds.image_column is not None:
+            # A null image stays None: _decode raises for it, or skips it like a bad image.
             image = sample[ds.image_column]
-            if image is None:
-                key, group, row = ds.where(index)
-                raise DecodeError(
-                    f"sample {index} (row {row} of row group {group} of "
-                    f"{ds.store.object_url(key)}) has no image: its {ds.image_column!r} is null"
-                )
             return image, None if ds.label_column is None else sample[ds.label_column]
         return sample, None
+
+    def _no_image(self, index: int) -> str:
+        """Why sample ``index``, whose image is null (a Parquet row), cannot be decoded."""
+        ds = self.dataset
+        assert isinstance(ds, ParquetDataset)
+        key, group, row = ds.where(index)
+        return (
+            f"sample {index} (row {row} of row group {group} of {ds.store.object_url(key)}) "
+            f"has no image: its {ds.image_column!r} is null"
+        )
 
     def _name(self, index: int) -> str:
         ds = self.dataset
@@ -519,8 +524,7 @@ class BatchBuilder:
         pairs = [self._split(s, i) for s, i in zip(samples, indices, strict=True)]
         encoded = [p[0] for p in pairs]
         labels = [p[1] for p in pairs]
-        names = _SampleNames(self._name, indices)  # made only for an error message
-        decoded = self.decoder.decode(encoded, indices=indices, epoch=epoch, names=names)
+        decoded = self._decode_present(encoded, indices, epoch)
         images, kept = decoded.images, decoded.kept
         if decoded.skipped:
             self.stats.skipped([reason for _, reason in decoded.skipped])
@@ -551,6 +555,31 @@ class BatchBuilder:
         if not has_labels:
             return images
         return images, default_collate(labels)
+
+    def _decode_present(self, encoded: list[Any], indices: list[int], epoch: int) -> DecodedBatch:
+        """The decoder's batch of the samples that have an image; those without one (a null
+        Parquet cell) raise, or with ``on_error="skip"`` are skipped as a bad image is."""
+        assert self.decoder is not None
+        present = [pos for pos, image in enumerate(encoded) if image is not None]
+        if len(present) == len(encoded):
+            names = _SampleNames(self._name, indices)  # made only for an error message
+            return self.decoder.decode(encoded, indices=indices, epoch=epoch, names=names)
+        missing = [
+            (pos, self._no_image(i)) for pos, i in enumerate(indices) if encoded[pos] is None
+        ]
+        if self.decoder.config.on_error == "raise":
+            raise DecodeError(f"{missing[0][1]}; pass on_error='skip' to leave such samples out")
+        if not present:
+            return DecodedBatch([], [], missing)
+        subset = [indices[pos] for pos in present]
+        decoded = self.decoder.decode(
+            [encoded[pos] for pos in present],
+            indices=subset,
+            epoch=epoch,
+            names=_SampleNames(self._name, subset),
+        )
+        skipped = missing + [(present[pos], why) for pos, why in decoded.skipped]
+        return DecodedBatch(decoded.images, [present[k] for k in decoded.kept], skipped)
 
 
 class _SampleNames(Sequence[str]):
