@@ -15,10 +15,26 @@ import pytest
 from PIL import Image
 
 from fastload.bench import e2e_bench, e2e_peers, e2e_report
-from fastload.bench.e2e_data import DataConfig, folder_key, generate, label_of, zarr_pixels
+from fastload.bench.e2e_data import (
+    DataConfig,
+    folder_key,
+    generate,
+    label_of,
+    tar_order,
+    with_parquet,
+    zarr_pixels,
+)
 from fastload.bench.runner import TrainingStep
 
-TINY = DataConfig(samples=24, classes=3, shard_samples=8, zarr_side=32, zarr_chunk_rows=4)
+TINY = DataConfig(
+    samples=24,
+    classes=3,
+    shard_samples=8,
+    zarr_side=32,
+    zarr_chunk_rows=4,
+    parquet_files=2,
+    parquet_row_group_rows=5,
+)
 
 
 def tiny(**changes: object) -> e2e_bench.E2EConfig:
@@ -75,6 +91,39 @@ def test_the_layouts_hold_the_same_images_and_labels(tmp_path: Path) -> None:
         assert np.array_equal(np.asarray(group["images"][i]), zarr_pixels(jpeg, TINY.zarr_side))
     sizes = [len(b) for b in folder.values()]
     assert 40_000 < np.mean(sizes) < 200_000  # natural-image-like, ImageNet-like sizes
+
+
+def test_the_parquet_layout_holds_the_same_images_and_labels_as_hub_images(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    data = with_parquet(generate(tmp_path / "data", TINY), TINY)
+    assert data.parquet is not None
+    files = sorted(data.parquet.glob("*.parquet"))
+    assert [f.name for f in files] == [
+        "train-00000-of-00002.parquet",
+        "train-00001-of-00002.parquet",
+    ]
+    assert data.nbytes["parquet"] == sum(f.stat().st_size for f in files)
+    schema = pq.read_schema(files[0])
+    assert schema.field("image").type.get_field_index("bytes") >= 0
+    assert str(schema.field("label").type) == "int64"
+    assert b'"Image"' in schema.metadata[b"huggingface"]  # datasets sees an Image feature
+    assert [pq.read_metadata(files[0]).row_group(g).num_rows for g in range(3)] == [5, 5, 2]
+    rows = [row for f in files for row in pq.read_table(f).to_pylist()]
+    assert [int(r["image"]["path"].split(".")[0]) for r in rows] == tar_order(TINY)
+    for row in rows:
+        i = int(row["image"]["path"].split(".")[0])
+        assert row["image"]["bytes"] == (data.folder / folder_key(i, TINY.classes)).read_bytes()
+        assert row["label"] == label_of(i, TINY.classes)
+    written = files[0].stat().st_mtime_ns
+    again = with_parquet(generate(tmp_path / "data", TINY), TINY)  # kept: the same settings
+    assert again.parquet == data.parquet
+    assert files[0].stat().st_mtime_ns == written
+    fewer = dataclasses.replace(TINY, parquet_files=1)
+    images = (data.folder / folder_key(0, TINY.classes)).stat().st_mtime_ns
+    one = with_parquet(generate(tmp_path / "data", fewer), fewer)  # only Parquet rewritten
+    assert one.parquet is not None
+    assert len(list(one.parquet.glob("*.parquet"))) == 1
+    assert (data.folder / folder_key(0, TINY.classes)).stat().st_mtime_ns == images
 
 
 def test_generated_data_is_kept_and_rebuilt_when_the_parameters_change(tmp_path: Path) -> None:
@@ -136,6 +185,96 @@ def test_fastload_and_the_fsspec_peer_end_to_end_with_skipped_peers(tmp_path: Pa
     text = e2e_report.summary(report)
     assert "skipped: " in text
     assert f"fastload vs {e2e_bench.FSSPEC} (folder): warm" in text
+
+
+@pytest.mark.slow
+def test_the_parquet_layout_runs_fastload_and_its_peers(tmp_path: Path) -> None:
+    """fastload and the pyarrow.dataset peer read the Parquet layout from S3; the datasets
+    peers, without .venv-peers, are skipped saying why; the targets are reported."""
+    pytest.importorskip("pyarrow")
+    parquet_systems = (e2e_bench.ARROW, e2e_bench.HF_MAP, e2e_bench.HF_STREAMING)
+    config = tiny(
+        systems=(e2e_bench.FASTLOAD, *parquet_systems, e2e_bench.FSSPEC, e2e_bench.MOSAIC),
+        layouts=("parquet",),
+    )
+    report = e2e_bench.run(tmp_path, config)
+    runs = {(r["system"], r["layout"]): r for r in report.params["runs"]}
+    # The folder's peers (and the conversions of the folder) are not measured without it.
+    assert set(runs) == {(s, "parquet") for s in (e2e_bench.FASTLOAD, *parquet_systems)}
+    dataset = report.params["dataset"]
+    assert dataset["bytes"]["parquet"] > dataset["bytes"]["folder"] // 2
+    assert "parquet" in dataset["layouts"]
+    for system in (e2e_bench.FASTLOAD, e2e_bench.ARROW):
+        run = runs[(system, "parquet")]
+        assert run["status"] == "ok", run["note"]
+        assert [e["samples"] for e in run["epochs"]] == [TINY.samples, TINY.samples]
+        assert run["figures"]["warm_samples_per_s"] > 0
+        assert run["figures"]["cold_samples_per_s"] > 0
+        assert run["figures"]["remote_requests"] > 0
+    peer = runs[(e2e_bench.ARROW, "parquet")]
+    assert [e["distinct"] for e in peer["epochs"]] == [TINY.samples] * 2  # each row once
+    assert "cold epoch includes reading the whole table" in peer["note"]
+    # The table is read once, at open: the warm epoch fetches nothing.
+    marks = {m["mark"]: m["remote_bytes"] for m in peer["marks"]}
+    assert marks["epoch 1"] == marks["epoch 0"] > 0
+    fast = runs[(e2e_bench.FASTLOAD, "parquet")]
+    assert fast["resume"]["resume_exact"] is True
+    for system in (e2e_bench.HF_MAP, e2e_bench.HF_STREAMING):
+        skipped = runs[(system, "parquet")]
+        assert skipped["status"] == "skipped"
+        assert "make bench-peers" in skipped["note"]
+        assert "datasets" in skipped["note"]
+    (ratio,) = report.params["ratios"]
+    assert (ratio["peer"], ratio["layout"]) == (e2e_bench.ARROW, "parquet")
+    text = e2e_report.summary(report)
+    assert f"fastload vs {e2e_bench.ARROW} (parquet): warm" in text
+    targets = e2e_report.target_lines(report)
+    assert len(targets) == 2
+    assert f"best peer ({e2e_bench.ARROW}" in targets[0]
+    assert all(line.endswith((": met", ": missed")) for line in targets)
+    assert all(line in text for line in targets)
+
+
+@pytest.mark.slow
+def test_the_datasets_peers_read_the_parquet_layout_from_s3(tmp_path: Path) -> None:
+    """Where .venv-peers has Hugging Face datasets (`make bench-peers`; not in CI)."""
+    from fastload.bench.e2e_process import default_peers_python, probe_python
+
+    python = default_peers_python()
+    if python is None or not probe_python(python, ["datasets"], tmp_path).get("datasets"):
+        pytest.skip("no .venv-peers with datasets (make bench-peers)")
+    config = tiny(systems=(e2e_bench.HF_MAP, e2e_bench.HF_STREAMING), layouts=("parquet",),
+                  peers_python=python, resume=False)  # fmt: skip
+    report = e2e_bench.run(tmp_path, config)
+    runs = {r["system"]: r for r in report.params["runs"]}
+    assert set(runs) == {e2e_bench.HF_MAP, e2e_bench.HF_STREAMING}
+    for run in runs.values():
+        assert run["status"] == "ok", run["note"]
+        assert [e["samples"] for e in run["epochs"]] == [TINY.samples, TINY.samples]
+        assert [e["distinct"] for e in run["epochs"]] == [TINY.samples] * 2  # ids from paths
+    assert "load_dataset's download and conversion" in runs[e2e_bench.HF_MAP]["note"]
+    assert report.machine["peers_environment"]["modules"]["datasets"]
+
+
+def test_the_parquet_layout_is_selected_by_name_and_its_peers_only_read_it() -> None:
+    from fastload import cli
+
+    args = cli.build_parser().parse_args(["bench", "--quick", "--layout", "parquet"])
+    config = cli.bench_config(args)
+    assert config.layouts == ("parquet",)
+    assert config.data.samples == e2e_bench.E2EConfig.quick().data.samples
+    assert "parquet" not in e2e_bench.E2EConfig.quick().layouts  # --quick: folder and tar
+    assert "parquet" in e2e_bench.E2EConfig().layouts
+    assert e2e_bench._measured(config, e2e_bench.HF_MAP)
+    assert not e2e_bench._measured(config, e2e_bench.FSSPEC)
+    named = dataclasses.replace(config, systems=(e2e_bench.MOSAIC,))
+    assert not e2e_bench._measured(named, e2e_bench.MOSAIC)  # converted from the folder
+    assert e2e_bench._peers_modules(config, e2e_bench._wanted(config)) == [
+        "torch",
+        "fsspec",
+        "datasets",
+    ]
+    assert e2e_bench.ARROW_FASTLOAD_DECODER not in e2e_bench._wanted(config)  # opt-in
 
 
 @pytest.mark.slow

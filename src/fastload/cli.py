@@ -523,7 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--system", action="append", help="only this system (repeatable)")
     bench.add_argument(
-        "--layout", action="append", choices=["folder", "tar", "zarr"], help="only this layout"
+        "--layout",
+        action="append",
+        choices=["folder", "tar", "zarr", "parquet"],
+        help="only this layout (repeatable; default: all, --quick: folder and tar)",
     )
     bench.add_argument(
         "--components",

@@ -3,7 +3,9 @@ with the tools users would pick instead, on the same data and cores, in one run.
 
 Data (:mod:`fastload.bench.e2e_data`, generated once into ``<out>/data/e2e-<samples>``):
 natural-image-like JPEGs of ~105 KB in ~100 classes, as an ImageFolder, WebDataset tar
-shards, and a Zarr array of the same images (resized pixels). They are linked (or copied)
+shards, a Zarr array of the same images (resized pixels), and Parquet files as the Hugging
+Face Hub stores images (an ``image`` struct ``{bytes, path}`` + ``label``, 4 files of
+~100-row row groups; written when the run measures that layout). They are linked (or copied)
 into ``<out>/work/e2e/s3/<bucket>/<layout>/`` and served over S3's protocol by
 :class:`fastload.testing.S3FolderServer` (in this process), which waits ``latency_s``
 before each response and paces each to ``bandwidth_bytes_per_s`` (per connection, as
@@ -20,7 +22,7 @@ layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`
 
 * ``fastload``: ``fl.DataLoader(fl.open_dataset(url, ...), shuffle=True, decode="cpu",
   transform=TrainPreset(size))``; on Zarr, whose rows are pixels, the preset's torch ops
-  run in ``collate_fn``.
+  run in ``collate_fn``; on Parquet it reads row groups as byte ranges through its cache.
 * ``torch DataLoader + fsspec``: s3fs in each worker: one GET per file (folder:
   ``fs.cat_file``; s3fs with ``max_concurrency=1``, else it HEADs each object first),
   whole shards streamed through a shuffle buffer (tar, as WebDataset does: one HEAD and
@@ -37,6 +39,18 @@ layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`
 * ``s5cmd + DALI reader + CPU pipeline``: ``s5cmd cp 's3://.../*' DIR/`` (its default
   parallelism), then the DALI peer's reader and pipeline; its cold epoch includes the copy.
   (:mod:`fastload.bench.e2e_s3_peers` has these two.)
+* The Parquet layout's peers (:mod:`fastload.bench.parquet_peers`, shared with the Parquet
+  component benchmark): ``torch DataLoader + pyarrow.dataset + simplejpeg``, the whole
+  table read once at open with pyarrow's own S3 client (the cold epoch includes it; forked
+  workers share it), a batch's rows per ``__getitems__``; ``HF datasets (map-style, torch
+  format)``: ``load_dataset("parquet", data_files="s3://.../*.parquet",
+  storage_options=...)`` (its download and conversion to Arrow files in the cold epoch),
+  ``Image(decode=False)``, ``.with_format("torch")``, shuffled, a ``collate_fn`` that
+  decodes; ``HF datasets (streaming)``: the same with ``streaming=True``, every epoch from
+  the remote, unshuffled (its best case). The two ``datasets`` peers run with
+  ``.venv-peers``' Python (``make bench-peers`` installs datasets), else are skipped with a
+  note. ``torch DataLoader + pyarrow.dataset + fastload's decoder`` (the table peer with
+  fastload's CPU decoder, one thread per worker) is off by default: ``--system`` it.
 * ``mosaicml-streaming`` and ``litdata``: after their own conversion of the folder (MDS;
   ``optimize``, timed as ``prep s``, not part of any epoch, in a process of its own),
   uploaded beside the other layouts, read by their streaming datasets set up as their
@@ -46,6 +60,8 @@ layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`
   note. ``--quick`` leaves them out unless named with ``--system``.
 
 The torch-based peers decode with simplejpeg and torch ops (``decode_bench.TorchOps``).
+
+``--quick`` measures folder and tar; ``--layout parquet`` (or zarr) picks another.
 
 Figures per (system, layout), measured by :mod:`fastload.bench.e2e_child`: the cold epoch
 (empty caches, timed from opening the dataset), the warm epochs, time to the first batch,
@@ -101,8 +117,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastload.bench import e2e_report, e2e_s3_peers
-from fastload.bench.e2e_data import DataConfig, GeneratedData, generate
+from fastload.bench import e2e_report, e2e_s3_peers, parquet_peers
+from fastload.bench.e2e_data import DataConfig, GeneratedData, generate, with_parquet
 from fastload.bench.e2e_process import child_env, default_peers_python, probe_python, run_child
 from fastload.bench.e2e_report import LAYOUT_NAMES, Run
 from fastload.bench.runner import STEP_KINDS, STEP_NAMES, Report, TrainingStep
@@ -117,28 +133,42 @@ MOSAIC = "mosaicml-streaming"
 LITDATA = "litdata"
 S3TORCH = "s3torchconnector"
 S5CMD_DALI = "s5cmd + DALI reader + CPU pipeline"
+ARROW = parquet_peers.ARROW_SIMPLEJPEG
+ARROW_FASTLOAD_DECODER = parquet_peers.ARROW_FASTLOAD_DECODER  # opt-in
+HF_MAP = parquet_peers.HF_MAP
+HF_STREAMING = parquet_peers.HF_STREAMING
 
-LAYOUTS = ("folder", "tar", "zarr")
+LAYOUTS = ("folder", "tar", "zarr", "parquet")
 PLAN: dict[str, tuple[str, ...]] = {  # the layouts each system reads
     FASTLOAD: LAYOUTS,
-    FSSPEC: LAYOUTS,
+    FSSPEC: ("folder", "tar", "zarr"),
     FSSPEC_OPEN: ("folder",),
-    FILECACHE: LAYOUTS,
+    FILECACHE: ("folder", "tar", "zarr"),
     DALI: ("folder", "tar"),
     MOSAIC: ("mds",),  # its own format, converted from the folder
     LITDATA: ("litdata",),  # likewise
     S3TORCH: ("folder", "tar"),
     S5CMD_DALI: ("folder", "tar"),
+    ARROW: ("parquet",),
+    ARROW_FASTLOAD_DECODER: ("parquet",),
+    HF_MAP: ("parquet",),
+    HF_STREAMING: ("parquet",),
 }
 NO_ZARR = {
     DALI: "DALI has no Zarr reader",
     S3TORCH: "s3torchconnector reads objects; Zarr needs zarr-python's own store",
     S5CMD_DALI: "DALI has no Zarr reader",
 }  # said in the table where Zarr is measured
-NO_CACHE = {FSSPEC, FSSPEC_OPEN}  # every epoch of these fetches everything again
-OPT_IN = {FSSPEC_OPEN}  # measured only when asked for by name (--system)
+NO_CACHE = {FSSPEC, FSSPEC_OPEN, HF_STREAMING}  # every epoch of these fetches all again
+OPT_IN = {FSSPEC_OPEN, ARROW_FASTLOAD_DECODER}  # measured only when named (--system)
 CONVERSIONS = {MOSAIC: "mds", LITDATA: "litdata"}  # system -> its converted layout
-PEERS_VENV_MODULES = {MOSAIC: "streaming", LITDATA: "litdata"}  # system -> module it needs
+# Systems that run with .venv-peers' Python -> the module they need there.
+PEERS_VENV_MODULES = {
+    MOSAIC: "streaming",
+    LITDATA: "litdata",
+    HF_MAP: "datasets",
+    HF_STREAMING: "datasets",
+}
 URL_SYSTEMS = (FASTLOAD, FSSPEC, FSSPEC_OPEN, FILECACHE)  # need no conversion, no full copy
 BUCKET = "fastload-bench"
 
@@ -193,8 +223,9 @@ class E2EConfig:
     def quick(cls) -> E2EConfig:
         """About two and a half minutes on 2 cores: 600 images, folder and tar, a cold and a warm
         epoch, one run each, with the sleeping step; the conversion peers (unless named in
-        ``systems``), Zarr and the GIL-holding step (which would double the time) are left to
-        the full run."""
+        ``systems``), Zarr, Parquet and the GIL-holding step (which would double the time) are
+        left to the full run; ``layouts=("parquet",)`` (``--quick --layout parquet``) measures
+        the Parquet layout at the same size instead."""
         return cls(
             data=DataConfig(samples=600),
             steps=("sleep",),
@@ -256,10 +287,13 @@ def _skip_reason(
 ) -> str:
     module = PEERS_VENV_MODULES.get(system)
     if module is not None:
-        if not _conversion_on(config, system):
+        if system in CONVERSIONS and not _conversion_on(config, system):
             return "left out of --quick (conversion and start-up); `fastload bench` runs it"
         if peers_python is None:
-            return "not installed: `make bench-peers` builds .venv-peers (it needs torchvision)"
+            needs = (
+                "it needs torchvision" if system in CONVERSIONS else "with Hugging Face datasets"
+            )
+            return f"not installed: `make bench-peers` builds .venv-peers ({needs})"
         if not peer_versions.get(module):
             return f"{module} does not import with {peers_python}: rerun `make bench-peers`"
     if system in (DALI, S5CMD_DALI) and not _dali_installed():
@@ -276,6 +310,31 @@ def _wanted(config: E2EConfig) -> list[str]:
     if config.systems is not None:
         return [s for s in PLAN if s in config.systems]
     return [s for s in PLAN if s not in OPT_IN]
+
+
+def _base_layout(layout: str) -> str:
+    """The generated layout a system's layout comes from: a conversion's is the folder's
+    (its figures are set against fastload's on the folder)."""
+    return "folder" if layout in CONVERSIONS.values() else layout
+
+
+def _measured(config: E2EConfig, system: str) -> bool:
+    """Whether a system reads any layout this run measures (a conversion peer: where the
+    folder is measured and its conversion runs)."""
+    if system in CONVERSIONS and not _conversion_on(config, system):
+        return False
+    return any(_base_layout(layout) in config.layouts for layout in PLAN[system])
+
+
+def _peers_modules(config: E2EConfig, wanted: list[str]) -> list[str]:
+    """What to look for in .venv-peers: the modules of the systems measured there (none:
+    no need to look)."""
+    measured = [s for s in wanted if _measured(config, s)]
+    needed = sorted({PEERS_VENV_MODULES[s] for s in measured if s in PEERS_VENV_MODULES})
+    if not needed:
+        return []
+    conversions = any(s in CONVERSIONS for s in measured)
+    return ["torch", *(["torchvision"] if conversions else []), "fsspec", *needed]
 
 
 def _conversion_on(config: E2EConfig, system: str) -> bool:
@@ -367,18 +426,23 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
     wanted = _wanted(config)
     peers_python = config.peers_python or default_peers_python()
     peer_versions: dict[str, str | None] = {}
-    converting = {s for s in wanted if s in PEERS_VENV_MODULES and _conversion_on(config, s)}
-    if peers_python and converting:
-        modules = ["torch", "torchvision", "fsspec", *PEERS_VENV_MODULES.values()]
+    modules = _peers_modules(config, wanted)
+    if peers_python and modules:
         peer_versions = probe_python(peers_python, modules, work)
     runs: list[Run] = []
+    if "parquet" in config.layouts:
+        data = with_parquet(data, config.data)
     local = {"folder": data.folder, "tar": data.tar}
     if data.zarr is not None:
         local["zarr"] = data.zarr
+    if data.parquet is not None:
+        local["parquet"] = data.parquet
     prep: dict[str, float] = {}
     for system in wanted:
         kind = CONVERSIONS.get(system)
-        if kind is None or _skip_reason(config, system, data, peers_python, peer_versions):
+        if kind is None or not _measured(config, system):
+            continue
+        if _skip_reason(config, system, data, peers_python, peer_versions):
             continue
         assert peers_python is not None
         try:
@@ -403,11 +467,13 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
                 print(f" repeat {repeat + 1} of {config.repeats}", flush=True)
             for system in wanted:
                 for layout in PLAN[system]:
-                    if layout in LAYOUTS and layout not in config.layouts:
+                    if _base_layout(layout) not in config.layouts:
                         continue
                     skip = _skip_reason(config, system, data, peers_python, peer_versions)
                     if layout == "zarr" and data.zarr is None:
                         skip = "no Zarr layout: zarr-python is not installed (pip install zarr)"
+                    if layout == "parquet" and data.parquet is None:
+                        skip = "no Parquet layout: pyarrow is not installed (pip install pyarrow)"
                     if skip or (system in CONVERSIONS and system not in prep):
                         if skip and repeat == 0:
                             runs.append(Run(system, layout, "skipped", skip))

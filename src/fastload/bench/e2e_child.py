@@ -39,6 +39,7 @@ import torch
 from fastload.bench.e2e_peers import (
     IMPORTS,
     LABELS_IN_ORDER,
+    LAYOUT_IMPORTS,
     SAMPLE_IDS,
     SYSTEMS,
     Delivered,
@@ -242,7 +243,7 @@ def peak_rss_bytes() -> int | None:
 def measure(spec: RunSpec) -> dict[str, Any]:
     """Every figure of one (system, layout) run; see the module docstring."""
     open_loader = SYSTEMS[spec.system]
-    for module in IMPORTS[spec.system]:
+    for module in (*IMPORTS[spec.system], *LAYOUT_IMPORTS.get(spec.layout, ())):
         with contextlib.suppress(ImportError):  # the system's own import says what is missing
             importlib.import_module(module)
     # A busy step's work as the parent measured it, and its rate alone in this interpreter

@@ -1,4 +1,4 @@
-"""The end-to-end benchmark's dataset: the same generated JPEGs in three layouts.
+"""The end-to-end benchmark's dataset: the same generated JPEGs in four layouts.
 
 JPEGs with natural-image-like content (:func:`natural_image`), 400-500 x 350-500 px,
 quality 90, about 105 KB, in ``classes`` classes (sample ``i`` is in class ``i % classes``)::
@@ -10,14 +10,22 @@ quality 90, about 105 KB, in ``classes`` classes (sample ``i`` is in class ``i %
     zarr/images  (N, 256, 256, 3) u1   Zarr v3: each JPEG decoded, shorter side resized to
     zarr/labels  (N,) int64              256, centre-cropped (:func:`zarr_pixels`), chunks of
                                          ``zarr_chunk_rows`` rows, zstd
+    parquet/train-00000-of-00004.parquet  Parquet as the Hugging Face Hub stores images: an
+      image struct {bytes, path}           ``image`` struct (the ``Image`` feature, named in
+      label int64                          the schema's ``huggingface`` metadata) and a label,
+                                           the tar order, ``parquet_files`` files of
+                                           ``parquet_row_group_rows``-row row groups
 
 fastload's Zarr reader takes fixed-size dtypes, so the Zarr layout holds pixels rather
-than encoded bytes. :func:`generate` writes them once (images on every core) and keeps
-them while the parameters match.
+than encoded bytes. :func:`generate` writes the first three once (images on every core)
+and keeps them while the parameters match; :func:`with_parquet` adds the Parquet layout
+(from the folder's files, in seconds) where a run asks for it, kept likewise.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import io
 import json
 import multiprocessing
@@ -26,8 +34,9 @@ import shutil
 import tarfile
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,10 +51,20 @@ class DataConfig:
     shard_samples: int = 64
     zarr_side: int = 256
     zarr_chunk_rows: int = 8
+    parquet_files: int = 4
+    parquet_row_group_rows: int = 100
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("samples", "classes", "shard_samples", "zarr_side", "zarr_chunk_rows"):
+        for name in (
+            "samples",
+            "classes",
+            "shard_samples",
+            "zarr_side",
+            "zarr_chunk_rows",
+            "parquet_files",
+            "parquet_row_group_rows",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -59,6 +78,7 @@ class GeneratedData:
     tar: Path
     zarr: Path | None  # None where zarr-python is not installed
     nbytes: dict[str, int]
+    parquet: Path | None = None  # None until with_parquet (or where pyarrow is missing)
 
     def labels(self) -> list[int]:
         return [label_of(i, self.classes) for i in range(self.samples)]
@@ -136,9 +156,17 @@ def _zarr_available() -> bool:
     return importlib.util.find_spec("zarr") is not None
 
 
+def _images_params(config: DataConfig) -> dict[str, object]:
+    """What the folder, tar and Zarr layouts depend on (not the Parquet one's settings, so
+    changing those rewrites only the Parquet files)."""
+    fields = {k: v for k, v in asdict(config).items() if not k.startswith("parquet_")}
+    return {"version": GENERATOR_VERSION, **fields, "zarr": _zarr_available()}
+
+
 def generate(root: Path, config: DataConfig) -> GeneratedData:
-    """The three layouts under ``root`` (kept when an earlier run made the same ones)."""
-    params = {"version": GENERATOR_VERSION, **asdict(config), "zarr": _zarr_available()}
+    """The folder, tar and Zarr layouts under ``root`` (kept when an earlier run made the
+    same ones); :func:`with_parquet` adds the Parquet one."""
+    params = _images_params(config)
     stamp = root / "params.json"
     folder, tars, zarr_dir = root / "folder", root / "tar", root / "zarr"
     if not (stamp.exists() and json.loads(stamp.read_text()) == params):
@@ -231,3 +259,92 @@ def _write_zarr(
         "labels", shape=(config.samples,), chunks=(config.samples,), dtype="int64"
     )
     labels[:] = np.array([label_of(i, config.classes) for i in range(config.samples)])
+
+
+# --- Parquet ---------------------------------------------------------------------------------
+
+# The Hugging Face ``Image`` and ``Value`` features, as the Hub's Parquet files name them in
+# their schema's ``huggingface`` metadata (``datasets`` then knows the struct is an image).
+HF_FEATURES = {
+    "image": {"_type": "Image"},
+    "label": {"dtype": "int64", "_type": "Value"},
+}
+PARQUET_VERSION = 1  # bump when the Parquet files change
+
+
+def _pyarrow_available() -> bool:
+    return importlib.util.find_spec("pyarrow") is not None
+
+
+def with_parquet(data: GeneratedData, config: DataConfig) -> GeneratedData:
+    """``data`` with its Parquet layout (``<root>/parquet``; written from the folder's files
+    unless an earlier run wrote the same), or unchanged where pyarrow is not installed."""
+    if not _pyarrow_available():
+        return data
+    out = data.root / "parquet"
+    stamp = data.root / "parquet-params.json"
+    params = {
+        "version": PARQUET_VERSION,
+        "images": _images_params(config),
+        "files": config.parquet_files,
+        "row_group_rows": config.parquet_row_group_rows,
+    }
+    if not (stamp.exists() and json.loads(stamp.read_text()) == params):
+        stamp.unlink(missing_ok=True)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        write_parquet(
+            out,
+            data.folder,
+            tar_order(config),
+            classes=config.classes,
+            files=config.parquet_files,
+            row_group_rows=config.parquet_row_group_rows,
+        )
+        stamp.write_text(json.dumps(params))
+    nbytes = sum(p.stat().st_size for p in out.glob("*.parquet"))
+    return replace(data, parquet=out, nbytes={**data.nbytes, "parquet": nbytes})
+
+
+def write_parquet(
+    out: Path,
+    folder: Path,
+    order: Sequence[int],
+    *,
+    classes: int,
+    files: int,
+    row_group_rows: int,
+    prefix: str = "train",
+) -> list[Path]:
+    """The samples of ``order`` (their JPEGs in the ImageFolder ``folder``) as ``files``
+    Parquet files ``<prefix>-00000-of-0000N.parquet`` in ``out``: an ``image`` struct
+    ``{bytes, path}`` and an int64 ``label`` (:data:`HF_FEATURES`), ``row_group_rows`` rows
+    per row group, pyarrow's default (snappy) compression. Returns the files written."""
+    pa: Any = importlib.import_module("pyarrow")  # optional (the parquet extra); untyped here
+    pq: Any = importlib.import_module("pyarrow.parquet")
+
+    if not 0 < files <= max(1, len(order)):
+        raise ValueError(f"files must be between 1 and the {len(order)} samples, got {files}")
+    schema = pa.schema(
+        [
+            pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+            pa.field("label", pa.int64()),
+        ],
+        metadata={"huggingface": json.dumps({"info": {"features": HF_FEATURES}})},
+    )
+    written = []
+    for f, part in enumerate(np.array_split(np.asarray(order, dtype=np.int64), files)):
+        keys = [folder_key(int(i), classes) for i in part]
+        table = pa.table(
+            {
+                "image": [{"bytes": (folder / k).read_bytes(), "path": Path(k).name} for k in keys],
+                "label": [label_of(int(i), classes) for i in part],
+            },
+            schema=schema,
+        )
+        path = out / f"{prefix}-{f:05d}-of-{files:05d}.parquet"
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(table, tmp, row_group_size=row_group_rows)
+        os.replace(tmp, path)
+        written.append(path)
+    return written

@@ -9,8 +9,10 @@ them in a process of its own and measures it (the resume check compares those li
 The peers decode as their users do without torchvision: simplejpeg, then torch ops for
 RandomResizedCrop + flip + normalize (``decode_bench.TorchOps``; the fastest non-fastload
 CPU path of the decode benchmark), in ``workers`` DataLoader processes. The peer libraries
-are imported here only, when their system runs (mosaicml-streaming and litdata live in
-``.venv-peers``).
+are imported here only, when their system runs (mosaicml-streaming, litdata and Hugging
+Face ``datasets`` live in ``.venv-peers``). The Parquet layout's peers are
+:mod:`fastload.bench.parquet_peers`' (shared with the Parquet component benchmark), read
+from the S3 URL here.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy.typing as npt
 import torch
 import torch.utils.data as tud
 
+from fastload.bench import parquet_peers
 from fastload.bench.decode_bench import TorchOps, dali_train_ops
 from fastload.decode.cpu import decode_rgb
 from fastload.decode.params import TrainPreset
@@ -57,7 +60,7 @@ class RunSpec:
     """What the parent asks one child to measure (written as JSON)."""
 
     system: str
-    layout: str  # folder | tar | zarr | mds | litdata
+    layout: str  # folder | tar | zarr | parquet | mds | litdata
     url: str  # the layout's root on the remote, s3://bucket/prefix
     storage_options: dict[str, Any]  # s3fs keyword arguments
     endpoint_url: str | None  # for peers that configure boto3 themselves
@@ -380,10 +383,19 @@ def _zarr_rows(spec: RunSpec) -> int:
 class _TorchLoader:
     """torch's DataLoader with ``workers`` worker processes, started each epoch (torch's
     default; persistent workers would finish the batches in flight of an epoch cut at the
-    time budget before starting the next one)."""
+    time budget before starting the next one). ``samples``: an epoch's, where the dataset
+    has no ``len`` (a stream)."""
 
-    def __init__(self, dataset: tud.Dataset[Sample], spec: RunSpec, map_style: bool) -> None:
-        self.samples = len(dataset)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        dataset: tud.Dataset[Any],
+        spec: RunSpec,
+        map_style: bool,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        samples: int | None = None,
+    ) -> None:
+        self.samples = len(dataset) if samples is None else samples  # type: ignore[arg-type]
         self.extra: dict[str, float] = {}
         self.no_resume = "torch's DataLoader has no state_dict"
         self.delivers = SAMPLE_IDS  # its datasets give each sample its id (third element)
@@ -392,6 +404,7 @@ class _TorchLoader:
             batch_size=spec.batch_size,
             shuffle=map_style,
             num_workers=spec.workers,
+            collate_fn=collate_fn,
         )
 
     def batches(self, epoch: int | None) -> Iterator[Delivered]:
@@ -450,6 +463,64 @@ def _folder_labels(spec: RunSpec, keys: list[str]) -> list[int]:
     """Class index of each key: torchvision's ImageFolder order (sorted class folders)."""
     classes = spec.labels or {c: i for i, c in enumerate(sorted({k.split("/")[0] for k in keys}))}
     return [classes[k.split("/")[0]] for k in keys]
+
+
+# --- Parquet: pyarrow.dataset and Hugging Face datasets (parquet_peers) --------------------
+
+
+def _arrow_peer(decoder: str) -> Opener:
+    """torch's DataLoader over ``pyarrow.dataset``: the whole table read from the URL once,
+    at open (pyarrow's own S3 client; the cold epoch includes it), in this process, so each
+    epoch's forked workers share it; a batch's rows per ``__getitems__``, decoded with
+    ``decoder`` (:func:`fastload.bench.parquet_peers.decoder`)."""
+
+    def open_loader(spec: RunSpec, state: Any) -> Loader:
+        if spec.layout != "parquet":
+            raise ValueError(f"the pyarrow.dataset peer reads parquet, not {spec.layout!r}")
+        if spec.samples is None:
+            raise ValueError("the pyarrow.dataset peer needs the dataset's samples in its spec")
+        start = time.perf_counter()
+        rows = parquet_peers.ArrowRows(
+            spec.url,
+            spec.samples,
+            spec.size,
+            spec.seed,
+            decoder,
+            storage_options=spec.storage_options,
+            with_ids=True,  # each sample's row index
+        ).load()
+        loader = _TorchLoader(rows, spec, map_style=True)
+        loader.extra["table_read_s"] = time.perf_counter() - start
+        return loader
+
+    return open_loader
+
+
+def _hf_peer(streaming: bool) -> Opener:
+    """Hugging Face ``datasets`` on the URL's ``*.parquet`` files (the storage options
+    passed through to fsspec, as its documentation has it), in torch's DataLoader whose
+    ``collate_fn`` decodes: map-style (``load_dataset`` downloads and converts to Arrow
+    files in the run's cache, in the cold epoch; shuffled), or ``streaming=True`` (every
+    epoch from the remote, the files split between the workers; unshuffled, its best case:
+    see :func:`fastload.bench.parquet_peers.hf_dataset`)."""
+
+    def open_loader(spec: RunSpec, state: Any) -> Loader:
+        if spec.layout != "parquet":
+            raise ValueError(f"the datasets peers read parquet, not {spec.layout!r}")
+        ds, seconds = parquet_peers.hf_dataset(
+            spec.url.rstrip("/") + "/*.parquet",
+            streaming=streaming,
+            cache_dir=_mkdir(os.path.join(spec.work_dir, "hf-cache")),
+            storage_options=spec.storage_options,
+        )
+        collate = parquet_peers.DecodeRows(spec.size, spec.seed, with_ids=True)
+        samples = spec.samples if streaming else None
+        loader = _TorchLoader(ds, spec, not streaming, collate_fn=collate, samples=samples)
+        if not streaming:
+            loader.extra["load_dataset_s"] = seconds
+        return loader
+
+    return open_loader
 
 
 # --- NVIDIA DALI's own reader and CPU pipeline (on a local copy) ---------------------------
@@ -700,7 +771,12 @@ IMPORTS: dict[str, tuple[str, ...]] = {
     "litdata": ("litdata", "litdata.streaming.downloader"),
     "s3torchconnector": ("fastload.bench.e2e_s3_peers", "s3torchconnector"),
     "s5cmd + DALI reader + CPU pipeline": ("fastload.bench.e2e_s3_peers", "nvidia.dali"),
+    parquet_peers.ARROW_SIMPLEJPEG: ("pyarrow", "pyarrow.dataset", "pyarrow.fs"),
+    parquet_peers.ARROW_FASTLOAD_DECODER: ("pyarrow", "pyarrow.dataset", "pyarrow.fs"),
+    parquet_peers.HF_MAP: ("datasets", "pyarrow", "fsspec", "s3fs"),
+    parquet_peers.HF_STREAMING: ("datasets", "pyarrow", "fsspec", "s3fs"),
 }
+LAYOUT_IMPORTS: dict[str, tuple[str, ...]] = {"parquet": ("pyarrow", "pyarrow.parquet")}
 
 SYSTEMS: dict[str, Opener] = {
     "fastload": _FastloadLoader,
@@ -713,4 +789,8 @@ SYSTEMS: dict[str, Opener] = {
     "litdata": _litdata,
     "s3torchconnector": _s3_peer("open_s3torchconnector"),
     "s5cmd + DALI reader + CPU pipeline": _s3_peer("open_s5cmd_dali"),
+    parquet_peers.ARROW_SIMPLEJPEG: _arrow_peer("simplejpeg"),
+    parquet_peers.ARROW_FASTLOAD_DECODER: _arrow_peer("fastload"),
+    parquet_peers.HF_MAP: _hf_peer(streaming=False),
+    parquet_peers.HF_STREAMING: _hf_peer(streaming=True),
 }

@@ -27,14 +27,21 @@ LAYOUT_NAMES = {
     "folder": "folder",
     "tar": "tar shards",
     "zarr": "zarr",
+    "parquet": "parquet",
     "mds": "MDS (from folder)",
     "litdata": "litdata (from folder)",
 }
 STEP_LABELS = {"sleep": "sleep", "gil": "GIL"}  # the table's step column
+# Targets by layout: (fastload's warm epoch over the best peer's with the same step, its
+# cold epoch over its own warm one). Parquet: issue 17 (the Parquet component benchmark
+# checks the same).
+TARGETS: dict[str, tuple[float, float]] = {"parquet": (1.3, 0.8)}
 LAYOUT_DESCRIPTIONS = {
     "folder": "ImageFolder of the JPEGs",
     "tar": "WebDataset tar shards (.jpg + .cls), shuffled order",
     "zarr": "Zarr v3: images (N, 256, 256, 3) uint8 resized pixels, labels int64",
+    "parquet": "Parquet as the HF Hub has images: image struct {bytes, path} + label int64, "
+    "4 files of ~100-row row groups, shuffled order",
     "mds": "mosaicml-streaming's MDS, converted from the folder (JPEG bytes + label)",
     "litdata": "litdata's optimize() output, converted from the folder (JPEG bytes + label)",
 }
@@ -152,6 +159,8 @@ def figures(run: Run) -> dict[str, Any]:
         "peak_tree_pss_bytes": run.peak_tree_pss_bytes,
         "prep_s": prep,
         "download_s": r.get("extra", {}).get("download_s"),
+        "table_read_s": r.get("extra", {}).get("table_read_s"),
+        "load_dataset_s": r.get("extra", {}).get("load_dataset_s"),
         "cold_epoch_cut": bool(cold and cold["partial"]),
         "warm_epochs_cut": sum(1 for e in warm if e["partial"]),
     }
@@ -170,6 +179,13 @@ def _note(row: Row) -> str:
         )
     if f["download_s"] is not None:
         parts.append(f"cold epoch includes the download ({f['download_s']:.1f} s)")
+    if f.get("table_read_s") is not None:
+        parts.append(f"cold epoch includes reading the whole table ({f['table_read_s']:.1f} s)")
+    if f.get("load_dataset_s") is not None:
+        parts.append(
+            "cold epoch includes load_dataset's download and conversion to Arrow "
+            f"({f['load_dataset_s']:.1f} s)"
+        )
     if run.prep_s is not None:
         parts.append("prep = its conversion of the folder")
     if f["cold_epoch_cut"]:
@@ -335,6 +351,45 @@ def ratio_lines(report: Report) -> list[str]:
         if e.get("first_batch_speedup"):
             parts.append(f"first batch {e['first_batch_speedup']:.1f}x sooner")
         lines.append(f"fastload vs {e['peer']} ({where}): " + ", ".join(parts))
+    return lines
+
+
+def target_lines(report: Report) -> list[str]:
+    """A line per layout with :data:`TARGETS` and training step that fastload ran: its warm
+    epoch over the best peer's (the fastest warm epoch of the peers on that layout), its
+    cold epoch over its warm one, each met or missed."""
+    lines = []
+    for run in report.params.get("runs", []):
+        target = TARGETS.get(run["layout"])
+        if run["system"] != FASTLOAD or run["status"] != "ok" or target is None:
+            continue
+        warm_target, cold_target = target
+        step = run.get("step", "sleep")
+        where = case_name(run["layout"], step)
+        f = run["figures"]
+        warm, cold = f.get("warm_samples_per_s"), f.get("cold_samples_per_s")
+        peers = [
+            e
+            for e in report.params.get("ratios", [])
+            if (e["fastload_layout"], e.get("step", "sleep")) == (run["layout"], step)
+            and e["warm_samples_per_s"]
+        ]
+        best = min(peers, key=lambda e: e["warm_samples_per_s"], default=None)
+        if best is None or not warm:
+            lines.append(f"target ({where}): warm >= {warm_target}x the best peer: no peer ran")
+        else:
+            ratio = best["warm_samples_per_s"]
+            lines.append(
+                f"target ({where}): warm >= {warm_target}x the best peer ({best['peer']}, "
+                f"{warm / ratio:,.0f} samples/s): {warm:,.0f} samples/s, {ratio:.2f}x: "
+                + ("met" if ratio >= warm_target else "missed")
+            )
+        if warm and cold:
+            ratio = cold / warm
+            lines.append(
+                f"target ({where}): cold >= {cold_target}x warm: {cold:,.0f} vs {warm:,.0f} "
+                f"samples/s, {ratio:.2f}x: " + ("met" if ratio >= cold_target else "missed")
+            )
     return lines
 
 
@@ -511,6 +566,9 @@ def write(report: Report, out_dir: str | os.PathLike[str], *, with_chart: bool =
 def summary(report: Report) -> str:
     """The table, then the ratio lines, then what the GIL-holding step cost each system."""
     parts = [report.params["title"], table(report), "", *ratio_lines(report)]
+    targets = target_lines(report)
+    if targets:
+        parts += ["", *targets]
     gil = gil_lines(report)
     if gil:
         parts += ["", *gil]

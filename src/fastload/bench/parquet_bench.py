@@ -4,7 +4,8 @@ The data: ``e2e_data``'s generated JPEGs (natural-image-like, ~105 KB, label ``i
 written once as Parquet the way the Hugging Face Hub stores an image dataset: an ``image``
 struct ``{bytes, path}`` (the ``Image`` feature, named in the schema's ``huggingface``
 metadata) and an int64 ``label``, rows in a seeded shuffled order, ``row_group_rows`` rows
-per row group, ``files`` files (pyarrow's default snappy compression)::
+per row group, ``files`` files (pyarrow's default snappy compression; written by
+``e2e_data.write_parquet``, as the end-to-end benchmark's Parquet layout is)::
 
     parquet-3000-4-100/remote/fastload-parquet/train/train-00000-of-00004.parquet ...
 
@@ -12,7 +13,8 @@ Every system delivers batches of ``batch_size`` ``(images, labels)``, shuffled, 
 preset (RandomResizedCrop + flip + normalize) at ``size`` px, with ``workers`` workers
 (fastload: threads; the peers: torch DataLoader worker processes, ``persistent_workers``),
 and no training step: figures are the loader's throughput, images/s, the median of
-``repeats`` epochs after an untimed one:
+``repeats`` epochs after an untimed one (:mod:`fastload.bench.parquet_peers` has the peers'
+datasets, which the end-to-end benchmark's Parquet layout runs from S3 too):
 
 * fastload: ``fl.DataLoader(ds, decode="cpu", transform=TrainPreset(size))`` over
   ``fl.open_dataset("s3://...", format="parquet")`` served by a loopback S3 server in a
@@ -65,10 +67,19 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils.data
 
+from fastload.bench.e2e_report import TARGETS
+from fastload.bench.parquet_peers import (
+    ARROW_FASTLOAD_DECODER,
+    ARROW_SIMPLEJPEG,
+    HF_MAP,
+    HF_STREAMING,
+    ArrowRows,
+    DecodeRows,
+    hf_dataset,
+)
 from fastload.bench.runner import Measurement, Report, cpu_seconds, process_tree, relate
 
 BUCKET = "fastload-parquet"
@@ -76,10 +87,6 @@ PREFIX = "train"
 FASTLOAD = "fastload"
 COLD = f"{FASTLOAD}, cold epoch (S3)"
 WARM = f"{FASTLOAD}, warm epoch (cache)"
-ARROW_SIMPLEJPEG = "torch DataLoader + pyarrow.dataset + simplejpeg"
-ARROW_FASTLOAD_DECODER = "torch DataLoader + pyarrow.dataset + fastload's decoder"
-HF_MAP = "HF datasets (map-style, torch format)"
-HF_STREAMING = "HF datasets (streaming)"
 SYSTEMS = (COLD, WARM, ARROW_SIMPLEJPEG, ARROW_FASTLOAD_DECODER, HF_MAP, HF_STREAMING)
 PEERS = (ARROW_SIMPLEJPEG, ARROW_FASTLOAD_DECODER, HF_MAP, HF_STREAMING)
 HF_PEERS = (HF_MAP, HF_STREAMING)
@@ -91,12 +98,9 @@ NOTES = {
     HF_MAP: "processes; local files as HF's Arrow cache, Image(decode=False), collate decodes",
     HF_STREAMING: "processes; local files, a file per worker at a time, unshuffled",
 }
-WARM_TARGET = 1.3  # fastload's warm epoch over the best peer's
-COLD_TARGET = 0.8  # fastload's cold epoch over its warm one
-_HF_FEATURES = {
-    "image": {"_type": "Image"},
-    "label": {"dtype": "int64", "_type": "Value"},
-}
+# fastload's warm epoch over the best peer's; its cold epoch over its warm one (issue 17's,
+# which the end-to-end benchmark's Parquet layout checks too).
+WARM_TARGET, COLD_TARGET = TARGETS["parquet"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,7 +178,15 @@ def generate(data_dir: Path, config: ParquetBenchConfig) -> ParquetData:
         shutil.rmtree(root, ignore_errors=True)
         local.mkdir(parents=True)
         order = e2e_data.tar_order(e2e_data.DataConfig(samples=config.samples, seed=config.seed))
-        _write_parquet(local, data.folder, order, data.classes, config)
+        e2e_data.write_parquet(
+            local,
+            data.folder,
+            order,
+            classes=data.classes,
+            files=config.files,
+            row_group_rows=config.row_group_rows,
+            prefix=PREFIX,
+        )
         stamp.write_text(params)
     files = sorted(local.glob("*.parquet"))
     return ParquetData(
@@ -184,35 +196,6 @@ def generate(data_dir: Path, config: ParquetBenchConfig) -> ParquetData:
         samples=config.samples,
         nbytes=sum(p.stat().st_size for p in files),
     )
-
-
-def _write_parquet(
-    out: Path, folder: Path, order: list[int], classes: int, config: ParquetBenchConfig
-) -> None:
-    pa = importlib.import_module("pyarrow")
-    pq = importlib.import_module("pyarrow.parquet")
-
-    from fastload.bench.e2e_data import folder_key, label_of
-
-    schema = pa.schema(
-        [
-            pa.field("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
-            pa.field("label", pa.int64()),
-        ],
-        metadata={"huggingface": json.dumps({"info": {"features": _HF_FEATURES}})},
-    )
-    parts = np.array_split(np.asarray(order), config.files)
-    for f, part in enumerate(parts):
-        keys = [folder_key(int(i), classes) for i in part]
-        table = pa.table(
-            {
-                "image": [{"bytes": (folder / k).read_bytes(), "path": Path(k).name} for k in keys],
-                "label": [label_of(int(i), classes) for i in part],
-            },
-            schema=schema,
-        )
-        name = f"{PREFIX}-{f:05d}-of-{config.files:05d}.parquet"
-        pq.write_table(table, out / name, row_group_size=config.row_group_rows)
 
 
 def _check_same_rows(data: ParquetData, cache_dir: Path) -> None:
@@ -230,85 +213,6 @@ def _check_same_rows(data: ParquetData, cache_dir: Path) -> None:
             got = ds[i]
             if got["image"] != row["image"]["bytes"] or got["label"] != row["label"]:
                 raise AssertionError(f"fastload and pyarrow disagree on row {i}")
-
-
-# --- the peers' datasets ----------------------------------------------------------------------
-
-
-class ArrowRows(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
-    """Rows of the Parquet files under ``folder`` through ``pyarrow.dataset``, decoded with
-    simplejpeg then torch ops (``decoder="simplejpeg"``) or fastload's CPU decoder (one
-    thread; ``"fastload"``). Each worker process reads the whole table once, on first use
-    (never inherited through fork), then takes a batch's rows per ``__getitems__``."""
-
-    def __init__(self, folder: str, rows: int, size: int, seed: int, decoder: str) -> None:
-        if decoder not in ("simplejpeg", "fastload"):
-            raise ValueError(f"decoder must be 'simplejpeg' or 'fastload', got {decoder!r}")
-        self.folder, self.rows, self.size, self.seed = folder, rows, size, seed
-        self.decoder = decoder
-        self._table: Any = None
-        self._decode: Any = None
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.__getitems__([i])[0]
-
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
-        if self._table is None:
-            pds = importlib.import_module("pyarrow.dataset")
-
-            self._table = pds.dataset(self.folder, format="parquet").to_table(
-                columns=["image", "label"]
-            )
-            self._decode = _decoder(self.decoder, self.size, self.seed)
-        rows = self._table.take(indices)
-        images = rows.column("image").combine_chunks().field("bytes").to_pylist()
-        labels = rows.column("label").to_pylist()
-        return list(zip(self._decode(images, indices), labels, strict=True))
-
-
-def _decoder(kind: str, size: int, seed: int) -> Any:
-    """``decode(list of JPEG bytes, indices) -> list of CHW float32 tensors``."""
-    from fastload.decode.params import TrainPreset
-
-    preset = TrainPreset(size)
-    if kind == "fastload":
-        from fastload.decode.base import DecodeConfig
-        from fastload.decode.cpu import CPUDecoder
-
-        decoder = CPUDecoder(DecodeConfig(transform=preset, seed=seed, num_threads=1))
-
-        def fastload_decode(data: list[bytes], indices: list[int]) -> list[torch.Tensor]:
-            return list(decoder.decode(data, indices=indices).images)
-
-        return fastload_decode
-    from fastload.bench.decode_bench import TorchOps
-    from fastload.decode.cpu import decode_rgb
-
-    ops = TorchOps(preset, seed=seed + os.getpid())
-
-    def simplejpeg_decode(data: list[bytes], indices: list[int]) -> list[torch.Tensor]:
-        return [ops(decode_rgb(d)) for d in data]
-
-    return simplejpeg_decode
-
-
-class DecodeRows:
-    """A ``collate_fn`` for Hugging Face rows (``{"image": {"bytes": ...}, "label": ...}``):
-    each image through simplejpeg then torch ops, stacked with the labels."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed = size, seed
-        self._decode: Any = None
-
-    def __call__(self, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._decode is None:  # made in the worker process
-            self._decode = _decoder("simplejpeg", self.size, self.seed)
-        images = self._decode([r["image"]["bytes"] for r in rows], [])
-        labels = torch.as_tensor([int(r["label"]) for r in rows])
-        return torch.stack(images), labels
 
 
 # --- one system, in its own process -----------------------------------------------------------
@@ -429,23 +333,12 @@ def _run_peer(spec: dict[str, Any], config: ParquetBenchConfig) -> dict[str, Any
 
 
 def _hf_loader(spec: dict[str, Any], config: ParquetBenchConfig, result: dict[str, Any]) -> Any:
-    datasets = importlib.import_module("datasets")
-    datasets.disable_progress_bars()
     files = sorted(glob.glob(os.path.join(spec["local_dir"], "*.parquet")))
     collate = DecodeRows(config.size, config.seed)
-    start = time.perf_counter()
     if spec["system"] == HF_MAP:
-        ds = datasets.load_dataset(
-            "parquet", data_files=files, split="train", cache_dir=spec["hf_cache"]
-        )
-        result["prepare_s"] = time.perf_counter() - start
-        ds = ds.cast_column("image", datasets.Image(decode=False)).with_format("torch")
+        ds, result["prepare_s"] = hf_dataset(files, streaming=False, cache_dir=spec["hf_cache"])
         return _torch_loader(ds, config, shuffle=True, collate_fn=collate)
-    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
-    stream = stream.cast_column("image", datasets.Image(decode=False))
-    # No .shuffle(buffer_size=...): it leaves the stream one shard, so one worker.
-    stream = stream.with_format("torch")
-    result["prepare_s"] = time.perf_counter() - start
+    stream, result["prepare_s"] = hf_dataset(files, streaming=True)
     return _torch_loader(stream, config, collate_fn=collate)
 
 
