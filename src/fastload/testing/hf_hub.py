@@ -1,7 +1,7 @@
 """A loopback Hugging Face Hub: a local folder served as a dataset repository through the
 HTTP API that ``huggingface_hub.HfFileSystem`` speaks, for tests of ``hf://`` URLs.
 
-What it answers (the routes huggingface_hub 1.x calls; see ``hf_api.py`` and
+What it answers (the routes huggingface_hub 1.x and 2.x call; see ``hf_api.py`` and
 ``hf_file_system.py``):
 
 - ``GET /api/datasets/{repo}`` and ``.../revision/{rev}``: the repository's info, its
@@ -16,8 +16,12 @@ What it answers (the routes huggingface_hub 1.x calls; see ``hf_api.py`` and
 The folder's contents are read into memory as one commit when the server starts;
 :meth:`HubServer.commit` reads it again as a new commit on ``main`` (the old commits stay
 readable by their SHA). Started with a token, every request must carry
-``Authorization: Bearer <token>`` (401 otherwise, as the Hub answers). ``throttle_next(n)``
-answers the next n requests 429 with ``Retry-After``; ``stats()`` counts requests by kind.
+``Authorization: Bearer <token>`` (401 otherwise, as the Hub answers). Faults, each for the
+next n requests (of one kind, whose path contains a string, if given): ``fail_next``
+answers an error status with the Hub's ``X-Error-Code`` and ``X-Error-Message`` headers,
+``throttle_next`` a 429 with ``Retry-After``, ``reset_next`` resets the connection (a TCP
+RST, no answer); ``set_latency`` delays every answer (of one kind). ``stats()`` counts
+requests by kind.
 
 :class:`HubServerProcess` runs one in a process of its own (``python -m
 fastload.testing.hf_hub``) and drives it over ``/_fastload/...`` control routes.
@@ -32,6 +36,7 @@ import os
 import re
 import sys
 import threading
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastload.testing.faults import ConnectionTrackingMixin
 from fastload.testing.process import ChildServer
 
 __all__ = ["HubServer", "HubServerProcess"]
@@ -53,6 +59,32 @@ _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 def _git_blob_oid(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+# The kinds of request the server tells apart (for faults and ``stats()``).
+_KINDS = ("repo_info", "tree", "paths_info", "resolve")
+_RATE_LIMITED = "You have been rate-limited; retry later."
+
+
+@dataclass
+class _Fault:
+    """A fault for the next ``remaining`` requests that match: an error status with its
+    headers, or (status None) a reset connection."""
+
+    status: int | None
+    headers: dict[str, str]
+    remaining: int
+    kind: str | None
+    path_contains: str | None
+
+    def matches(self, kind: str, path: str) -> bool:
+        return self.kind in (None, kind) and (
+            self.path_contains is None or self.path_contains in path
+        )
+
+
+class _HTTPServer(ConnectionTrackingMixin, http.server.ThreadingHTTPServer):
+    """Resets a connection on demand, and drops every open one when it closes."""
 
 
 @dataclass(frozen=True)
@@ -106,13 +138,13 @@ class HubServer:
         self._lock = threading.Lock()
         self._commits: dict[str, _Commit] = {}
         self._main = ""
-        self._throttle_left = 0
-        self._throttle_kind: str | None = None
-        self._retry_after = 1
+        self._faults: list[_Fault] = []
+        self._latency_s = 0.0
+        self._latency_kind: str | None = None
+        self._closing = threading.Event()  # wakes the answers waiting out a latency
         self._counts: Counter[str] = Counter()
         self.commit()
-        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
-        self._httpd.daemon_threads = True
+        self._httpd = _HTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
         host, port = self._httpd.server_address[:2]
@@ -140,15 +172,63 @@ class HubServer:
     def head(self) -> str:
         return self._main
 
-    def throttle_next(self, count: int, *, retry_after: int = 1, kind: str | None = None) -> None:
+    def fail_next(
+        self,
+        count: int,
+        status: int,
+        *,
+        code: str | None = None,
+        message: str | None = None,
+        retry_after: int | None = None,
+        kind: str | None = None,
+        path_contains: str | None = None,
+    ) -> None:
         """Answers the next count requests (of kind only, if given: "repo_info", "tree",
-        "paths_info", "resolve") 429 Too Many Requests with ``Retry-After``."""
+        "paths_info", "resolve"; whose path contains path_contains, if given) status, with
+        code and message in ``X-Error-Code`` and ``X-Error-Message`` (and a JSON body) as the
+        Hub sends them, and ``Retry-After`` if given. Faults queue: a request takes the
+        oldest one that matches."""
+        if not 400 <= status <= 599:
+            raise ValueError(f"status must be a 4xx or 5xx code, got {status}")
+        headers = {}
+        if message is not None:
+            headers["X-Error-Message"] = message
+        if code is not None:
+            headers["X-Error-Code"] = code
+        if retry_after is not None:
+            headers["Retry-After"] = str(retry_after)
+        self._queue(_Fault(status, headers, count, kind, path_contains))
+
+    def throttle_next(self, count: int, *, retry_after: int = 1, kind: str | None = None) -> None:
+        """Answers the next count requests (of kind only, if given) 429 Too Many Requests
+        with ``Retry-After``, as the Hub rate-limits."""
+        self.fail_next(count, 429, message=_RATE_LIMITED, retry_after=retry_after, kind=kind)
+
+    def reset_next(
+        self, count: int, *, kind: str | None = None, path_contains: str | None = None
+    ) -> None:
+        """Resets the connection of the next count requests that match (see
+        :meth:`fail_next`) without an answer."""
+        self._queue(_Fault(None, {}, count, kind, path_contains))
+
+    def set_latency(self, seconds: float, *, kind: str | None = None) -> None:
+        """Waits seconds before answering every request (of kind only, if given)."""
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
         with self._lock:
-            self._throttle_left, self._throttle_kind = count, kind
-            self._retry_after = retry_after
+            self._latency_s, self._latency_kind = seconds, kind
+
+    def _queue(self, fault: _Fault) -> None:
+        if fault.remaining < 1:
+            raise ValueError(f"count must be >= 1, got {fault.remaining}")
+        if fault.kind is not None and fault.kind not in _KINDS:
+            raise ValueError(f"kind must be one of {_KINDS} or None, got {fault.kind!r}")
+        with self._lock:
+            self._faults.append(fault)
 
     def stats(self) -> dict[str, int]:
-        """Requests by kind, and ``throttled`` (429s sent), ``unauthorized`` (401s sent)."""
+        """Requests by kind, and ``throttled`` (429s sent), ``unauthorized`` (401s sent),
+        ``faults`` (the other injected faults: statuses and resets)."""
         with self._lock:
             return dict(self._counts)
 
@@ -157,7 +237,9 @@ class HubServer:
             self._counts.clear()
 
     def close(self) -> None:
+        self._closing.set()
         self._httpd.shutdown()
+        self._httpd.close_all_connections()
         self._httpd.server_close()
         self._thread.join(timeout=10)
 
@@ -169,10 +251,17 @@ class HubServer:
 
     # --- requests -----------------------------------------------------------------------
 
-    def _admit(self, kind: str, authorization: str | None) -> tuple[int, dict[str, str]] | None:
-        """None to answer the request, else the error status and headers to send."""
+    def _admit(
+        self, kind: str, path: str, authorization: str | None
+    ) -> tuple[int | None, dict[str, str]] | None:
+        """None to answer the request, else the error status and headers to send (status
+        None: reset the connection). Waits out the latency first."""
         with self._lock:
             self._counts[kind] += 1
+            latency_s = self._latency_s if self._latency_kind in (None, kind) else 0.0
+        if latency_s > 0 and self._closing.wait(latency_s):
+            return None, {}  # closing: no answer
+        with self._lock:
             if self.token is not None and authorization != f"Bearer {self.token}":
                 self._counts["unauthorized"] += 1
                 if authorization is None:
@@ -181,13 +270,13 @@ class HubServer:
                         "X-Error-Message": "Invalid username or password.",
                     }
                 return 401, {"X-Error-Message": "Invalid credentials in Authorization header"}
-            if self._throttle_left > 0 and self._throttle_kind in (None, kind):
-                self._throttle_left -= 1
-                self._counts["throttled"] += 1
-                return 429, {
-                    "Retry-After": str(self._retry_after),
-                    "X-Error-Message": "You have been rate-limited; retry later.",
-                }
+            for i, fault in enumerate(self._faults):
+                if fault.matches(kind, path):
+                    fault.remaining -= 1
+                    if fault.remaining == 0:
+                        del self._faults[i]
+                    self._counts["throttled" if fault.status == 429 else "faults"] += 1
+                    return fault.status, fault.headers
         return None
 
     def _revision(self, revision: str) -> _Commit | None:
@@ -250,9 +339,17 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
                 )
             elif resolve is not None:
                 kind = "resolve"
-            refused = hub._admit(kind, self.headers.get("Authorization"))
+            refused = hub._admit(
+                kind, urllib.parse.unquote(parts.path), self.headers.get("Authorization")
+            )
             if refused is not None:
-                self._error(*refused)
+                status, headers = refused
+                if status is None:
+                    self.close_connection = True
+                    assert isinstance(self.server, _HTTPServer)
+                    self.server.reset_connection(self.connection)
+                else:
+                    self._error(status, headers)
                 return
             found = api or resolve
             repo = found.group(1) if found is not None else None
@@ -347,10 +444,14 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
             self._send(206, data[start:end], headers)
 
         def _control(self, action: str, query: dict[str, list[str]]) -> None:
-            def arg(name: str, default: str | None = None) -> str | None:
-                values = query.get(name)
-                return values[0] if values else default
+            try:
+                self._act(action, {name: values[0] for name, values in query.items()})
+            except ValueError as exc:  # a bad argument: the caller's to fix
+                self._json(400, {"error": str(exc)})
 
+        def _act(self, action: str, args: dict[str, str]) -> None:
+            count = int(args.get("count", "1"))
+            kind, path_contains = args.get("kind"), args.get("path_contains")
             if action == "stats":
                 self._json(200, hub.stats())
             elif action == "reset":
@@ -358,12 +459,23 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
                 self._json(200, {})
             elif action == "commit":
                 self._json(200, {"sha": hub.commit()})
-            elif action == "throttle":
-                hub.throttle_next(
-                    int(arg("count", "0") or 0),
-                    retry_after=int(arg("retry_after", "1") or 1),
-                    kind=arg("kind"),
+            elif action == "fail":
+                retry_after = args.get("retry_after")
+                hub.fail_next(
+                    count,
+                    int(args.get("status", "500")),
+                    code=args.get("code"),
+                    message=args.get("message"),
+                    retry_after=None if retry_after is None else int(retry_after),
+                    kind=kind,
+                    path_contains=path_contains,
                 )
+                self._json(200, {})
+            elif action == "reset_next":
+                hub.reset_next(count, kind=kind, path_contains=path_contains)
+                self._json(200, {})
+            elif action == "latency":
+                hub.set_latency(float(args.get("seconds", "0")), kind=kind)
                 self._json(200, {})
             else:
                 self._send(404)
@@ -422,15 +534,54 @@ class HubServerProcess(ChildServer):
         query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
         url = f"{self.endpoint}{_CONTROL}{action}" + (f"?{query}" if query else "")
         request = urllib.request.Request(url, method="POST")
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read())
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400:
+                raise
+            raise ValueError(json.loads(exc.read())["error"]) from None
 
     def commit(self) -> str:
         """Reads the folder again as a new commit on main; returns its SHA."""
         return str(self._control("commit")["sha"])
 
+    def fail_next(
+        self,
+        count: int,
+        status: int,
+        *,
+        code: str | None = None,
+        message: str | None = None,
+        retry_after: int | None = None,
+        kind: str | None = None,
+        path_contains: str | None = None,
+    ) -> None:
+        """See :meth:`HubServer.fail_next`."""
+        self._control(
+            "fail",
+            count=count,
+            status=status,
+            code=code,
+            message=message,
+            retry_after=retry_after,
+            kind=kind,
+            path_contains=path_contains,
+        )
+
     def throttle_next(self, count: int, *, retry_after: int = 1, kind: str | None = None) -> None:
-        self._control("throttle", count=count, retry_after=retry_after, kind=kind)
+        """See :meth:`HubServer.throttle_next`."""
+        self.fail_next(count, 429, message=_RATE_LIMITED, retry_after=retry_after, kind=kind)
+
+    def reset_next(
+        self, count: int, *, kind: str | None = None, path_contains: str | None = None
+    ) -> None:
+        """See :meth:`HubServer.reset_next`."""
+        self._control("reset_next", count=count, kind=kind, path_contains=path_contains)
+
+    def set_latency(self, seconds: float, *, kind: str | None = None) -> None:
+        """See :meth:`HubServer.set_latency`."""
+        self._control("latency", seconds=seconds, kind=kind)
 
     def stats(self) -> dict[str, int]:
         return dict(self._control("stats"))
