@@ -540,8 +540,10 @@ _TRANSPORT_NAMESPACES = (
     "fsspec",
     "urllib3",
     "huggingface_hub",
-    "httpx",
+    "httpx",  # huggingface_hub 1.x's HTTP client
     "httpcore",
+    "httpx2",  # huggingface_hub 2.x's
+    "httpcore2",
 )
 _FILTER = RedactingFilter()
 

@@ -404,7 +404,8 @@ class HubTransport:
     """GETs of ``hf://`` files (huggingface_hub's HfFileSystem) as one request each: the
     file's ``/resolve/<revision>/<path>`` URL on the filesystem's endpoint, with the headers
     huggingface_hub sends (its token: from storage_options, ``$HF_TOKEN`` or the saved
-    login), through huggingface_hub's shared httpx client. HfFileSystem's own reads cost
+    login), through huggingface_hub's shared HTTP client (httpx in huggingface_hub 1.x, httpx2
+    in 2.x: only what both share is used). HfFileSystem's own reads cost
     a repository lookup and a listing per file opened and retry a 429 inside themselves,
     seconds at a time, where fastload's stager would not see it; here a 429 (or 503)
     reaches the stager, which backs off and halves its concurrency (AIMD) as for S3's
