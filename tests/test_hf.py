@@ -22,8 +22,10 @@ import fastload as fl
 from fastload import stage
 from fastload.datasets import open_dataset
 from fastload.manifest import load_manifest
+from fastload.sampler import ShardedSampler
 from fastload.stage import FetchConfig
 from fastload.testing import HubServerProcess
+from fastload.warm import NodeShare
 
 TOKEN = "hf_FastloadTestTokenAbCdEfGhIjKlMnOpQr"
 QUICK = FetchConfig(jobs=4, min_jobs=1, retries=8, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)
@@ -119,6 +121,51 @@ def test_parquet_from_the_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         rows = [ds[i] for i in range(len(ds))]
         assert [r["label"] if isinstance(r, dict) else r[1] for r in rows] == list(range(6))
         assert "unauthorized" not in server.stats()
+
+
+def test_a_nodes_parquet_share_is_warmed_by_range_through_429s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fastload warm --rank of Hub Parquet: footers and the rank's row groups as byte ranges,
+    whose 429s cut the node's concurrency as whole-object fetches do."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    cuts: list[int] = []
+    throttled = stage._Throttle.throttled
+
+    def counted(self: stage._Throttle) -> None:
+        throttled(self)
+        cuts.append(self.limit)
+
+    monkeypatch.setattr(stage._Throttle, "throttled", counted)
+    root = tmp_path / "repo"
+    (root / "data").mkdir(parents=True)
+    for f in range(2):
+        rows = range(16 * f, 16 * f + 16)
+        table = pa.table({"image": [jpeg(i % 8) for i in rows], "label": list(rows)})
+        pq.write_table(table, root / "data" / f"train-{f}.parquet", row_group_size=2)
+    with HubServerProcess(root, token=TOKEN) as server:
+        options = {"cache_dir": str(tmp_path / "c"), "storage_options": server.storage_options}
+        share = NodeShare(ranks=(0,), world_size=4, epochs=(0,), format="parquet")
+        url = server.url_for("data")
+        planned = share.staging(url, **options)  # opening reads the footers
+        assert planned.keys == []
+        assert len({key for key, _, _ in planned.ranges}) == 2  # a part of each file
+        server.throttle_next(4, kind="resolve")
+        report = fl.warm(url, share=share, fetch=QUICK, progress=False, **options)
+        assert report.ok, report.failures
+        assert report.objects == 0
+        assert report.ranges == report.fetched == len(planned.ranges)
+        assert server.stats()["throttled"] == 4
+        assert len(cuts) == 4  # each 429 reached the AIMD
+        assert min(cuts) < QUICK.jobs
+        ds = open_dataset(url, format="parquet", fetch=QUICK, **options)
+        assert all(ds.store.local_path(f.key) is None for f in ds.files)  # no whole file
+        resolved = server.stats()["resolve"]
+        labels = [ds[i]["label"] for i in ShardedSampler(ds, rank=0, world_size=4)]
+        assert len(labels) == 8
+        assert server.stats()["resolve"] == resolved  # the rank's rows are all local
 
 
 def test_the_listing_pins_the_commit_and_a_new_commit_is_fetched_again(

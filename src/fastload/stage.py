@@ -451,7 +451,8 @@ class Stager:
             throttle.succeeded()
             return data
 
-        return bytes(with_retries(get, url))
+        c = self.config
+        return bytes(with_retries(get, url, retries=c.retries, base_s=c.backoff_s))
 
 
 _range_pools: dict[int, ThreadPoolExecutor] = {}
