@@ -180,7 +180,10 @@ def warm(
     a URL that does not hold one fails before anything is staged, and only the objects the
     dataset reads are staged. Opening a tar dataset reads only its index where it has one
     (``fastload index``, or wids' ``shardindex.json``); without one it reads every shard
-    through the cache, so a node's share then costs the whole dataset's download.
+    through the cache, so a node's share then costs the whole dataset's download. A format
+    read by byte range (Parquet: a shard is a row group) stages a share's parts of a file
+    as range entries, or the file whole where they come to half of it or more
+    (``ShardedDataset.to_stage``); the report counts those under ``ranges``.
 
     Resumable: objects already cached (same version) are not fetched again. A permanent
     failure (not found, access refused, full disk) raises; transient failures that outlast
