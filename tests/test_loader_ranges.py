@@ -183,7 +183,7 @@ def test_the_warm_command_reports_byte_ranges(tmp_path: Path) -> None:
         out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
         assert out.returncode == 0, out.stderr
         # rank 0 reads half of one file or more (staged whole), and less of the other
-        assert re.match(r"1 objects and \d+ byte ranges: fetched \d+ ", out.stdout), out.stdout
+        assert re.match(r"1 object and \d+ byte ranges: fetched \d+ ", out.stdout), out.stdout
         dry = subprocess.run(
             [*args, "--dry-run", "--json"], capture_output=True, text=True, timeout=120
         )

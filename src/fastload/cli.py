@@ -91,6 +91,10 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def _warm(args: argparse.Namespace) -> int:
     from fastload.warm import NodeShare, warm
 
@@ -124,9 +128,9 @@ def _warm(args: argparse.Namespace) -> int:
         share=share,
         format=args.format if share is None else None,
     )
-    entries = f"{report.objects:,} objects"
+    entries = _count(report.objects, "object")
     if report.ranges:  # a node's share of Parquet row groups: byte ranges of files
-        entries = f"{report.objects:,} objects and {report.ranges:,} byte ranges"
+        entries += f" and {_count(report.ranges, 'byte range')}"
     if args.dry_run:
         text = (
             f"would fetch {report.objects + report.ranges - report.already_cached:,} of "
