@@ -116,7 +116,7 @@ class BatchBuilder:
         # those ranges by shard (None: the shard's objects are staged whole).
         self._ranged = type(dataset).stage_ranges is not ShardedDataset.stage_ranges
         self._ranges_of: dict[int, list[Range] | None] = {}
-        self._fetching: set[Range] = set()  # ranges a thread of this loader is staging now
+        self._fetching: dict[Range, threading.Event] = {}  # ranges being staged: set when done
         self._fetching_lock = threading.Lock()
         self._needed: set[str | Range] = set()  # objects (or ranges) this pass has read
         self._needed_lock = threading.Lock()
@@ -171,9 +171,10 @@ class BatchBuilder:
 
     def _stage_by_range(self, ranges: list[Range]) -> None:
         """Fetches ranges into the cache as range entries, concurrently on the range
-        threads. What the cache holds already (the range, or its whole object) is not read,
-        nor what another thread of this loader is staging now (its reader waits for that
-        fetch: ``read_range`` takes the range's fetch lock); the rest counts as fetched."""
+        threads. What the cache holds already (the range, or its whole object) is not read;
+        what another thread of this loader is staging now is waited for, not fetched again
+        (the batch's own reads after this must not take the fetch from that thread, which
+        counts it); the rest counts as fetched."""
         store = self.dataset.store
         keys = list(dict.fromkeys(key for key, _, _ in ranges))
         whole = dict(zip(keys, store.local_paths(keys), strict=True))
@@ -184,16 +185,20 @@ class BatchBuilder:
 
         def fetch(r: Range) -> tuple[Range, int | BaseException]:
             with self._fetching_lock:
-                if r in self._fetching:
-                    return r, 0
-                self._fetching.add(r)
+                elsewhere = self._fetching.get(r)
+                if elsewhere is None:
+                    done = self._fetching[r] = threading.Event()
+            if elsewhere is not None:
+                elsewhere.wait()  # that fetch's own timeouts and retries bound it
+                return r, 0
             try:
                 return r, store.stage_range(*r)
             except Exception as e:  # the reader meets it again, and raises it at its batch
                 return r, e
             finally:
                 with self._fetching_lock:
-                    self._fetching.discard(r)
+                    del self._fetching[r]
+                done.set()
 
         for r, got in _range_pool().map(fetch, todo):
             if isinstance(got, BaseException):
