@@ -175,6 +175,29 @@ def test_warming_a_nodes_share_stages_its_row_groups_and_the_epoch_reads_no_more
         assert all(ds.store.local_path(f.key) is not None for f in ds.files)
 
 
+def test_ds_warm_stages_the_given_row_groups_by_range_and_raises_naming_a_lost_file(
+    tmp_path: Path,
+) -> None:
+    files = parquet_files()
+    with serve("http", tmp_path, files) as remote:
+        ds = open_dataset(remote.url, cache_dir=str(tmp_path / "c"))
+        assert isinstance(ds, ParquetDataset)
+        shards = [1, GROUPS + 2]  # a row group of each file
+        ds.warm(shards)
+        assert all(ds.store.local_path(f.key) is None for f in ds.files)  # ranges only
+        gets = remote.total_gets()
+        rows = [ds[i] for s in shards for i in range(s * ROWS, (s + 1) * ROWS)]
+        assert [row["id"] for row in rows] == [
+            i for s in shards for i in range(s * ROWS, (s + 1) * ROWS)
+        ]
+        assert remote.total_gets() == gets  # staged, then read locally
+        ds.warm([1])  # cached: nothing fetched
+        assert remote.total_gets() == gets
+        (remote.source_dir / "ds" / ds.files[0].key).unlink()
+        with pytest.raises(FileNotFoundError, match=re.escape(ds.files[0].key)):
+            ds.warm([3])
+
+
 def test_the_warm_command_reports_byte_ranges(tmp_path: Path) -> None:
     with serve("http", tmp_path, parquet_files()) as remote:
         exe = str(Path(sys.executable).parent / "fastload")
