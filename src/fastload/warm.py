@@ -6,7 +6,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from fastload.cache import PlanHint, Policy, range_url
 from fastload.errors import RemoteError
@@ -14,6 +14,9 @@ from fastload.plan import DEFAULT_WINDOW_SHARDS
 from fastload.remote import is_transient, public_url, scrub
 from fastload.stage import FetchConfig, StageResult, _Progress
 from fastload.store import CachedStore, Range, RangeResult, StoreConfig
+
+if TYPE_CHECKING:
+    from fastload.datasets.base import ShardedDataset
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,18 +57,31 @@ class NodeShare:
             future = plan.future(self.epochs, world_size=self.world_size, ranks=self.ranks)
             keys, ranges = dataset.to_stage(future.first_needed)
             whole, store = set(keys), dataset.store
+            ranged = dataset.stages_by_range
             accesses: list[str] = []
-            for shard in future.accesses():
-                spans = dataset.stage_ranges(int(shard))
-                if spans is None:
-                    accesses += [store.object_url(k) for k in dataset.shard_keys[int(shard)]]
+            named: dict[int, list[str]] = {}  # a ranged shard's entries (it recurs by epoch)
+            for shard in map(int, future.accesses()):
+                if not ranged:
+                    accesses += [store.object_url(k) for k in dataset.shard_keys[shard]]
                     continue
-                names = (
-                    store.object_url(k) if k in whole else range_url(store.object_url(k), (o, n))
-                    for k, o, n in spans
-                )
-                accesses += dict.fromkeys(names)
+                if shard not in named:
+                    named[shard] = _entries(dataset, shard, whole)
+                accesses += named[shard]
         return Staging(keys=keys, ranges=ranges, accesses=accesses)
+
+
+def _entries(dataset: ShardedDataset, shard: int, whole: set[str]) -> list[str]:
+    """The cache entries reading shard reads: its objects, or its byte ranges (their
+    objects where those are staged whole)."""
+    store = dataset.store
+    spans = dataset.stage_ranges(shard)
+    if spans is None:
+        return [store.object_url(k) for k in dataset.shard_keys[shard]]
+    names = (
+        store.object_url(k) if k in whole else range_url(store.object_url(k), (o, n))
+        for k, o, n in spans
+    )
+    return list(dict.fromkeys(names))
 
 
 @dataclass(frozen=True, kw_only=True)

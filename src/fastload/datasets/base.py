@@ -127,6 +127,11 @@ class ShardedDataset:
         None where the format does not map samples to plain byte ranges (Zarr)."""
         return None
 
+    @property
+    def stages_by_range(self) -> bool:
+        """Whether the format stages shards as byte ranges (overrides :meth:`stage_ranges`)."""
+        return type(self).stage_ranges is not ShardedDataset.stage_ranges
+
     def stage_ranges(self, shard: int) -> list[Range] | None:
         """The byte ranges to stage for ``shard`` ahead of its reads, each cached as an
         entry of its own (``CachedStore.read_range``), where a reader fetches only parts of

@@ -114,7 +114,7 @@ class BatchBuilder:
         self._staged_ranges: dict[Range, None] = {}  # and ranges (the same, for stage_ranges)
         # Whether the dataset stages some shards as byte ranges (its stage_ranges hook), and
         # those ranges by shard (None: the shard's objects are staged whole).
-        self._ranged = type(dataset).stage_ranges is not ShardedDataset.stage_ranges
+        self._ranged = dataset.stages_by_range
         self._ranges_of: dict[int, list[Range] | None] = {}
         self._fetching: dict[Range, threading.Event] = {}  # ranges being staged: set when done
         self._fetching_lock = threading.Lock()
