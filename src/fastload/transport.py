@@ -400,6 +400,12 @@ class ObjectStoreHTTPTransport(_ObstoreTransport):
         return None
 
 
+# The packages whose exceptions huggingface_hub's HTTP session raises, by its version.
+_HUB_CLIENT_MODULES = frozenset(
+    {"httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3", "h11", "h2"}
+)
+
+
 class HubTransport:
     """GETs of ``hf://`` files (huggingface_hub's HfFileSystem) as one request each: the
     file's ``/resolve/<revision>/<path>`` URL on the filesystem's endpoint, with the headers
@@ -443,6 +449,8 @@ class HubTransport:
         try:
             response = get_session().get(url, headers=headers, timeout=self._timeout_s)
         except Exception as exc:  # the session's client: httpx, httpx2 or requests by version
+            if type(exc).__module__.split(".", 1)[0] not in _HUB_CLIENT_MODULES:
+                raise  # not the network's (a bug is not retried as a dropped connection)
             name = type(exc).__name__
             if "Timeout" in name:
                 raise TimeoutError(f"no complete answer within {self._timeout_s:g}s") from None

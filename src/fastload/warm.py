@@ -13,7 +13,7 @@ from fastload.errors import RemoteError
 from fastload.plan import DEFAULT_WINDOW_SHARDS
 from fastload.remote import is_transient, public_url, scrub
 from fastload.stage import FetchConfig, StageResult, _Progress
-from fastload.store import CachedStore, Range, RangeResult, StoreConfig
+from fastload.store import CachedStore, Range, RangeResult
 
 if TYPE_CHECKING:
     from fastload.datasets.base import ShardedDataset
@@ -56,17 +56,15 @@ class NodeShare:
             )
             future = plan.future(self.epochs, world_size=self.world_size, ranks=self.ranks)
             keys, ranges = dataset.to_stage(future.first_needed)
-            whole, store = set(keys), dataset.store
+            whole = set(keys)
             ranged = dataset.stages_by_range
             accesses: list[str] = []
             named: dict[int, list[str]] = {}  # a ranged shard's entries (it recurs by epoch)
             for shard in map(int, future.accesses()):
-                if not ranged:
-                    accesses += [store.object_url(k) for k in dataset.shard_keys[shard]]
-                    continue
-                if shard not in named:
-                    named[shard] = _entries(dataset, shard, whole)
-                accesses += named[shard]
+                entries = named.get(shard) or _entries(dataset, shard, whole)
+                if ranged:
+                    named[shard] = entries
+                accesses += entries
         return Staging(keys=keys, ranges=ranges, accesses=accesses)
 
 
@@ -227,17 +225,15 @@ def warm(
         keys, ranges = staging.keys, staging.ranges
         refresh = False  # listed just now
     config = fetch or (FetchConfig(jobs=jobs, min_jobs=min(2, jobs)) if jobs else FetchConfig())
-    store = CachedStore(
-        StoreConfig(
-            url=url,
-            cache_dir=cache_dir,
-            storage_options=dict(storage_options or {}),
-            max_bytes=max_bytes,
-            policy=policy,
-            refresh=refresh,
-            ttl_s=ttl_s,
-            fetch=config,
-        )
+    store = CachedStore.open(
+        url,
+        cache_dir=cache_dir,
+        storage_options=dict(storage_options or {}),
+        max_bytes=max_bytes,
+        policy=policy,
+        refresh=refresh,
+        ttl_s=ttl_s,
+        fetch=config,
     )
     try:
         return _warm(store, keys, ranges, staging, dry_run, progress, started)

@@ -190,9 +190,8 @@ class ShardedDataset:
         for key, _, length in ranges:
             wanted[key] = wanted.get(key, 0) + length
         sizes = {o.key: o.size for o in self.store.objects(list(wanted))}
-        whole = {
-            k for k, n in wanted.items() if 2 * n >= (sizes[k] or n + 1)
-        }  # size unknown: ranges
+        # Half its size or more: staged whole (an object of unknown size: as ranges).
+        whole = {k for k, n in wanted.items() if 2 * n >= (sizes[k] or n + 1)}
         keys.update((key, None) for key, _, _ in ranges if key in whole)
         return list(keys), [r for r in ranges if r[0] not in whole]
 

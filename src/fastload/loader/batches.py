@@ -565,10 +565,10 @@ class BatchBuilder:
         """The decoder's batch of the samples that have an image; those without one (a null
         Parquet cell) raise, or with ``on_error="skip"`` are skipped as a bad image is."""
         assert self.decoder is not None
-        present = [pos for pos, image in enumerate(encoded) if image is not None]
-        if len(present) == len(encoded):
+        if not any(image is None for image in encoded):  # the common case
             names = _SampleNames(self._name, indices)  # made only for an error message
             return self.decoder.decode(encoded, indices=indices, epoch=epoch, names=names)
+        present = [pos for pos, image in enumerate(encoded) if image is not None]
         missing = [
             (pos, self._no_image(i)) for pos, i in enumerate(indices) if encoded[pos] is None
         ]
