@@ -457,14 +457,13 @@ class _Terminal(io.StringIO):
 
 
 def test_progress_bar_shows_rate_and_eta_on_a_terminal_only() -> None:
-    from fastload.stage import _Progress
-    from fastload.warm import ProgressBar
+    from fastload.progress import Progress, ProgressBar
 
     terminal, pipe = _Terminal(), io.StringIO()
     for stream in (terminal, pipe):
         bar = ProgressBar(2, 2_000_000, stream=stream)
-        bar(_Progress(objects_done=1, bytes_done=1_000_000, fetched_bytes=1_000_000))
-        bar(_Progress(objects_done=2, bytes_done=2_000_000, fetched_bytes=2_000_000))
+        bar(Progress(objects_done=1, bytes_done=1_000_000, fetched_bytes=1_000_000))
+        bar(Progress(objects_done=2, bytes_done=2_000_000, fetched_bytes=2_000_000))
     assert "2/2 objects" in terminal.getvalue()
     assert "MB/s" in terminal.getvalue()
     assert "ETA" in terminal.getvalue()

@@ -33,6 +33,7 @@ import fsspec
 from fastload.cache import Cache, FetchLock, PartFile
 from fastload.errors import FastloadError, MissingBackendError, RemoteError
 from fastload.manifest import Manifest, RemoteObject
+from fastload.progress import Progress
 from fastload.remote import (
     backoff_s,
     classify,
@@ -98,22 +99,6 @@ class StageResult:
     nbytes: int = 0
     attempts: int = 0
     error: str | None = None
-
-
-@dataclass
-class _Progress:
-    objects_done: int = 0
-    bytes_done: int = 0
-    fetched_bytes: int = 0
-    callback: Callable[[_Progress], None] | None = None
-
-    def add(self, result: StageResult) -> None:
-        self.objects_done += 1
-        self.bytes_done += result.nbytes
-        if result.outcome == "fetched":
-            self.fetched_bytes += result.nbytes
-        if self.callback is not None:
-            self.callback(self)
 
 
 @dataclass(slots=True)
@@ -293,7 +278,7 @@ class Stager:
         self,
         objects: Sequence[RemoteObject],
         *,
-        progress: Callable[[_Progress], None] | None = None,
+        progress: Callable[[Progress], None] | None = None,
         here: bool = False,
         hold: Holding | None = None,
         reads: Sequence[int] | None = None,
@@ -309,7 +294,7 @@ class Stager:
         """
         if not objects:
             return []
-        tracker = _Progress(callback=progress)
+        tracker = Progress(callback=progress)
         if not here and self._elsewhere():
             results = self._stage_in_staging_process(objects, tracker)
             if hold is not None:
@@ -332,7 +317,7 @@ class Stager:
         held = _Round(
             self,
             [objects[i] for i in skipped],
-            _Progress(),
+            Progress(),
             hold,
             None if reads is None else [reads[i] for i in skipped],
         ).run()
@@ -352,7 +337,7 @@ class Stager:
         )
 
     def _stage_in_staging_process(
-        self, objects: Sequence[RemoteObject], tracker: _Progress
+        self, objects: Sequence[RemoteObject], tracker: Progress
     ) -> list[StageResult]:
         from fastload import stage_process
 
@@ -361,8 +346,7 @@ class Stager:
         def progress(objects_done: int, bytes_done: int, fetched_bytes: int) -> None:
             tracker.objects_done, tracker.bytes_done = objects_done, bytes_done
             tracker.fetched_bytes = fetched_bytes
-            if tracker.callback is not None:
-                tracker.callback(tracker)
+            tracker.report()
 
         answers = process.stage(
             objects, self.manifest.url, progress if tracker.callback is not None else None
@@ -372,7 +356,7 @@ class Stager:
             tracker.objects_done = len(results)
             tracker.bytes_done = sum(r.nbytes for r in results)
             tracker.fetched_bytes = sum(r.nbytes for r in results if r.outcome == "fetched")
-            tracker.callback(tracker)
+            tracker.report()
         return results
 
     def _get_with_retries(
@@ -503,7 +487,7 @@ class _Round:
         self,
         stager: Stager,
         objects: Sequence[RemoteObject],
-        tracker: _Progress,
+        tracker: Progress,
         hold: Holding | None = None,
         reads: Sequence[int] | None = None,
     ) -> None:
@@ -555,7 +539,7 @@ class _Round:
 
     def _record(self, i: int, result: StageResult) -> None:
         self.results[i] = result
-        self.tracker.add(result)
+        self.tracker.add(result.nbytes, fetched=result.outcome == "fetched")
 
     def _cached(self, i: int) -> bool:
         obj, url, cache = self.objects[i], self.urls[i], self.cache

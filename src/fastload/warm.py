@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any
 
 from fastload.cache import PlanHint, Policy, range_url
 from fastload.errors import RemoteError
 from fastload.plan import DEFAULT_WINDOW_SHARDS
+from fastload.progress import Progress, ProgressBar
 from fastload.remote import is_transient, public_url, scrub
-from fastload.stage import FetchConfig, StageResult, _Progress
+from fastload.stage import FetchConfig, StageResult
 from fastload.store import CachedStore, Range, RangeResult
 
 if TYPE_CHECKING:
@@ -129,44 +129,6 @@ class WarmReport:
         return self.failed == 0
 
 
-class Progress(Protocol):
-    """Counts so far, as the stager (and ``fastload index``) report them."""
-
-    objects_done: int
-    bytes_done: int
-    fetched_bytes: int
-
-
-class ProgressBar:
-    """One line on a terminal, rewritten at most ten times a second; silent elsewhere."""
-
-    def __init__(self, total_objects: int, total_bytes: int, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
-        self.total_objects = total_objects
-        self.total_bytes = total_bytes
-        self.start = time.monotonic()
-        self._last = 0.0
-
-    def __call__(self, p: Progress) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self._last < 0.1 and p.objects_done < self.total_objects):
-            return
-        self._last = now
-        elapsed = max(now - self.start, 1e-9)
-        rate = p.fetched_bytes / elapsed
-        left = max(self.total_bytes - p.bytes_done, 0)
-        eta = f"{left / rate:5.0f}s" if rate > 0 else "    ?"
-        self.stream.write(
-            f"\r{p.objects_done:>9,}/{self.total_objects:,} objects  "
-            f"{p.bytes_done / 1e6:>9,.1f}/{self.total_bytes / 1e6:,.1f} MB  "
-            f"{rate / 1e6:7.1f} MB/s  ETA {eta}"
-        )
-        if p.objects_done >= self.total_objects:
-            self.stream.write("\n")
-        self.stream.flush()
-
-
 def warm(
     url: str,
     *,
@@ -179,7 +141,7 @@ def warm(
     refresh: bool = False,
     ttl_s: float | None = None,
     dry_run: bool = False,
-    progress: bool | Callable[[_Progress], None] | None = None,
+    progress: bool | Callable[[Progress], None] | None = None,
     fetch: FetchConfig | None = None,
     share: NodeShare | None = None,
     format: str | None = None,
@@ -247,7 +209,7 @@ def _warm(
     ranges: list[Range],
     staging: Staging | None,
     dry_run: bool,
-    progress: bool | Callable[[_Progress], None] | None,
+    progress: bool | Callable[[Progress], None] | None,
     started: float,
 ) -> WarmReport:
     cache, manifest = store.cache, store.manifest
@@ -289,7 +251,7 @@ def _warm(
         callback = ProgressBar(len(objects) + len(ranges), total_bytes)
     results = store.stager.stage(objects, progress=callback)
     cache.touch([r.url for r in results if r.outcome == "cached"])
-    tracker = _Progress(
+    tracker = Progress(
         objects_done=len(results),
         bytes_done=sum(r.nbytes for r in results),
         fetched_bytes=sum(r.nbytes for r in results if r.outcome == "fetched"),
@@ -299,7 +261,7 @@ def _warm(
     def done(result: RangeResult) -> None:
         staged = _staged_range(store, result)
         results.append(staged)
-        tracker.add(staged)
+        tracker.add(staged.nbytes, fetched=staged.outcome == "fetched")
 
     store.stage_ranges(ranges, done=done)
     failures = [{"url": r.url, "error": r.error or ""} for r in results if r.outcome == "failed"]

@@ -72,6 +72,7 @@ from fastload.datasets.base import (
     keys_ending,
 )
 from fastload.errors import RemoteAccessError
+from fastload.progress import Progress, ProgressBar
 from fastload.remote import (
     classify,
     clean_cause,
@@ -812,15 +813,6 @@ class IndexReport:
         return asdict(self)
 
 
-@dataclass
-class _Counts:
-    """Progress of :func:`write_index` in the shape ``fastload.warm.ProgressBar`` draws."""
-
-    objects_done: int = 0
-    bytes_done: int = 0
-    fetched_bytes: int = 0
-
-
 def write_index(
     url: str,
     *,
@@ -828,7 +820,7 @@ def write_index(
     storage_options: dict[str, Any] | None = None,
     jobs: int = INDEX_JOBS,
     to: Where = "auto",
-    progress: bool | Callable[[_Counts], None] | None = None,
+    progress: bool | Callable[[Progress], None] | None = None,
 ) -> IndexReport:
     """Reads each tar shard at url once (streamed, ``jobs`` at a time, not cached) and
     writes fastload's index of them, so that opening the dataset reads only the index.
@@ -907,15 +899,13 @@ def _stream_members(
     fs: Any,
     shards: list[tuple[str, str, int | None]],
     jobs: int,
-    progress: bool | Callable[[_Counts], None] | None,
+    progress: bool | Callable[[Progress], None] | None,
 ) -> list[list[Member]]:
     """The members of each (path, URL, size) shard, ``jobs`` shards streamed at a time."""
-    from fastload.warm import ProgressBar
-
     callback = progress if callable(progress) else None
     if progress is None or progress is True:
         callback = ProgressBar(len(shards), sum(size or 0 for _, _, size in shards))
-    counts = _Counts()
+    counts = Progress(callback=callback)
     found: list[list[Member]] = [[] for _ in shards]
     with ThreadPoolExecutor(jobs, thread_name_prefix="fastload-tar-index") as pool:
         futures = {pool.submit(_stream_scan, fs, *shard): i for i, shard in enumerate(shards)}
@@ -923,11 +913,7 @@ def _stream_members(
             for future in as_completed(futures):
                 i = futures[future]
                 found[i] = future.result()
-                counts.objects_done += 1
-                counts.bytes_done += shards[i][2] or 0
-                counts.fetched_bytes = counts.bytes_done
-                if callback is not None:
-                    callback(counts)
+                counts.add(shards[i][2] or 0, fetched=True)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
