@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import fastload.listing as listing_module
 import fastload.manifest as manifest_module
-import fastload.transport as transport
+import fastload.remote.listing as listing_module
+import fastload.remote.obstore as transport
 from fastload.datasets import ImageFolderDataset, detect_format, open_dataset
 from fastload.manifest import Manifest, RemoteObject, list_dataset, load_manifest, manifest_path
 from fastload.testing import S3FolderServer
@@ -372,7 +372,7 @@ def test_pickles_of_the_folder_datasets_do_not_grow_with_the_samples(tmp_path: P
 @pytest.mark.parametrize("etags", [['"a"', '"bb"', '"ccc"'], ['"aa"', '"bb"', '"cc"']])
 def test_an_arrow_page_gives_the_versions_a_key_at_a_time_would(etags: list[str]) -> None:
     arro3 = pytest.importorskip("arro3.core")
-    from fastload.listing import from_arrow
+    from fastload.remote.listing import from_arrow
 
     seconds = [1_767_225_600, 1_767_225_601, 1_767_225_600]
     page = arro3.RecordBatch.from_pydict(

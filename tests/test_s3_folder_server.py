@@ -682,7 +682,7 @@ def test_tls_s3fs_trusts_the_server_through_verify_and_only_so(
 def test_tls_obstore_transport_trusts_what_s3fs_was_told(
     tls_server: HTTPServerProcess, trust: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fastload.transport import ObjectStoreTransport
+    from fastload.remote.obstore import ObjectStoreTransport
 
     options = tls_server.storage_options
     if trust == "AWS_CA_BUNDLE":

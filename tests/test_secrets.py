@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 
 import fastload as fl
-from fastload import transport as transports
 from fastload.errors import RemoteAccessError, RemoteError, RemoteNotFoundError
+from fastload.remote import connect as transports
 from fastload.remote import open_filesystem
 from fastload.stage import FetchConfig
 from fastload.testing import HubServerProcess, S3FolderServer
@@ -62,7 +62,7 @@ class TransportSettings:
     remote: str  # "s3" or "hf": the loopback server
     storage_options: dict[str, Any]  # beside the credentials and the endpoint
     fsspec_config: dict[str, Any]  # the same for the fastload script (FSSPEC_S3)
-    sends: str  # the class of fastload.transport that sends the GETs
+    sends: str  # the transport class (fastload.remote) that sends the GETs
     logs_from: str  # a client logger that writes at DEBUG: the premise of the log checks
     refused: str  # what a refused listing says
 
@@ -550,7 +550,7 @@ def test_the_fastload_script_shows_no_secret(
         [
             sys.executable,
             "-c",
-            "from fastload import transport, remote;"
+            "from fastload.remote import connect as transport, urls as remote;"
             f"print(type(transport.transport_for(remote.open_filesystem({transport.url!r})[0]))"
             ".__name__)",
         ],

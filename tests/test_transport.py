@@ -1,4 +1,4 @@
-"""S3 objects staged and listed through obstore (fastload.transport), against moto, with
+"""S3 objects staged and listed through obstore (fastload.remote.obstore), against moto, with
 s3fs as the fallback for what obstore does not carry."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 from conftest import Remote, open_remote, private_s3fs
 
-import fastload.transport as transport
+import fastload.remote.obstore as transport
 from fastload.cache import Cache
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import RemoteObject, list_dataset
 from fastload.remote import open_filesystem
+from fastload.remote.transport import FsspecTransport
 from fastload.stage import FetchConfig
 from fastload.store import CachedStore
 from fastload.testing import S3FolderServer
@@ -38,7 +39,7 @@ def served_by_obstore(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     answered: list[tuple[Any, ...]] = []
     fallbacks: list[tuple[Any, ...]] = []
     real_get = transport.ObjectStoreTransport.get
-    real_fallback = transport.FsspecTransport.get
+    real_fallback = FsspecTransport.get
 
     def get(self: transport.ObjectStoreTransport, *args: Any) -> Any:
         data = real_get(self, *args)
@@ -48,12 +49,12 @@ def served_by_obstore(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
             answered.append(args)
         return data
 
-    def fallback(self: transport.FsspecTransport, *args: Any) -> Any:
+    def fallback(self: FsspecTransport, *args: Any) -> Any:
         fallbacks.append(args)
         return real_fallback(self, *args)
 
     monkeypatch.setattr(transport.ObjectStoreTransport, "get", get)
-    monkeypatch.setattr(transport.FsspecTransport, "get", fallback)
+    monkeypatch.setattr(FsspecTransport, "get", fallback)
     return answered
 
 

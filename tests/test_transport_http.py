@@ -1,4 +1,4 @@
-"""http(s):// objects staged through obstore's HTTPStore (fastload.transport), against the
+"""http(s):// objects staged through obstore's HTTPStore (fastload.remote.obstore), against the
 loopback HTTP server, with fsspec (aiohttp) as the fallback for what obstore does not carry."""
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ pytest.importorskip("aiohttp")
 
 import obstore
 
-import fastload.transport as transport
+import fastload.remote.obstore as transport
 from fastload.cache import Cache
 from fastload.errors import RemoteAccessError, RemoteError, RemoteNotFoundError
 from fastload.manifest import RemoteObject
 from fastload.remote import HTTPResponseError
+from fastload.remote.connect import transport_for
+from fastload.remote.transport import FsspecTransport
 from fastload.stage import FetchConfig
 from fastload.store import CachedStore
 from fastload.testing import RangeHTTPServer
@@ -66,18 +68,18 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[tuple[Any, ...]]]:
     sent, "fsspec" (path, start, end) for every GET left to fsspec."""
     seen: dict[str, list[tuple[Any, ...]]] = {"obstore": [], "fsspec": []}
     real_get = obstore.get
-    real_fallback = transport.FsspecTransport.get
+    real_fallback = FsspecTransport.get
 
     def get(store: Any, location: str, *, options: Any = None) -> Any:
         seen["obstore"].append((location, dict(options or {})))
         return real_get(store, location, options=options)
 
-    def fallback(self: transport.FsspecTransport, *args: Any) -> Any:
+    def fallback(self: FsspecTransport, *args: Any) -> Any:
         seen["fsspec"].append(args)
         return real_fallback(self, *args)
 
     monkeypatch.setattr(obstore, "get", get)
-    monkeypatch.setattr(transport.FsspecTransport, "get", fallback)
+    monkeypatch.setattr(FsspecTransport, "get", fallback)
     return seen
 
 
@@ -145,7 +147,7 @@ def test_a_server_answering_a_range_whole_is_left_to_fsspec(tmp_path: Path) -> N
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/f.bin"
         fs = fsspec.filesystem("http", skip_instance_cache=True)
-        made = transport.transport_for(fs, 10)
+        made = transport_for(fs, 10)
         assert isinstance(made, transport.ObjectStoreHTTPTransport)
         assert bytes(made.get(url)) == bytes(range(100))
         # object_store refuses a 200 to a range; fsspec answers as it always has.
@@ -195,7 +197,7 @@ def test_errors_from_obstore_read_as_fsspecs_do(
 ) -> None:
     server, _ = served
     fs = fsspec.filesystem("http", skip_instance_cache=True)
-    made = transport.transport_for(fs, 10)
+    made = transport_for(fs, 10)
     assert isinstance(made, transport.ObjectStoreHTTPTransport)
     with pytest.raises(FileNotFoundError):
         made.get(server.url_for("ds/missing.bin"))
@@ -219,7 +221,7 @@ def test_a_response_slower_than_the_timeout_is_a_timeout(
 
     server, _ = served
     fs = fsspec.filesystem("http", skip_instance_cache=True)
-    made = transport.transport_for(fs, 0.3)
+    made = transport_for(fs, 0.3)
     assert isinstance(made, transport.ObjectStoreHTTPTransport)
     server.set_behavior(RemoteBehavior(latency_s=1.0))
     with pytest.raises(TimeoutError):
@@ -232,7 +234,7 @@ def test_an_untrusted_certificate_is_refused_unless_verification_is_off(tmp_path
     with RangeHTTPServer(tmp_path, tls=True) as server:
         url = server.url_for("ds/x.bin")
         fs = fsspec.filesystem("http", skip_instance_cache=True)
-        made = transport.transport_for(fs, 10)
+        made = transport_for(fs, 10)
         assert isinstance(made, transport.ObjectStoreHTTPTransport)
         with pytest.raises(ssl_error()):
             made.get(url)
@@ -240,7 +242,7 @@ def test_an_untrusted_certificate_is_refused_unless_verification_is_off(tmp_path
         with pytest.raises(RemoteAccessError, match="certificate"):
             store.read("x.bin")
         off = fsspec.filesystem("http", ssl=False, skip_instance_cache=True)
-        unverified = transport.transport_for(off, 10)
+        unverified = transport_for(off, 10)
         assert isinstance(unverified, transport.ObjectStoreHTTPTransport)
         assert bytes(unverified.get(url)) == b"x" * 100
 
@@ -335,7 +337,7 @@ def test_settings_obstore_cannot_carry_leave_the_gets_to_fsspec(
         options = {"ssl": ssl.create_default_context()}
     server, files = served
     fs = fsspec.filesystem("http", skip_instance_cache=True, **options)
-    assert isinstance(transport.transport_for(fs, 10), transport.FsspecTransport)
+    assert isinstance(transport_for(fs, 10), FsspecTransport)
     if readable:  # and fsspec reads with them
         store = open_store(server.url_for("ds"), tmp_path / "cache", **options)
         assert store.read("a/one.bin") == files["a/one.bin"]
@@ -347,7 +349,7 @@ def test_a_proxy_in_the_environment_leaves_the_gets_to_fsspec(
 ) -> None:
     fs = fsspec.filesystem("http", skip_instance_cache=True)
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    assert isinstance(transport.transport_for(fs, 10), transport.FsspecTransport)
+    assert isinstance(transport_for(fs, 10), FsspecTransport)
 
 
 def test_plain_headers_are_sent_by_obstore(
@@ -397,11 +399,11 @@ def test_a_forked_child_of_a_process_that_used_obstore_gets_through_fsspec(
     if pid == 0:  # the child: never back into pytest
         code = 1
         try:
-            fresh = transport.transport_for(fsspec.filesystem("http", skip_instance_cache=True))
+            fresh = transport_for(fsspec.filesystem("http", skip_instance_cache=True))
             url = server.url_for("ds/a/two.bin")
             if (
-                isinstance(fresh, transport.FsspecTransport)
-                and isinstance(store.stager.transport, transport.FsspecTransport)
+                isinstance(fresh, FsspecTransport)
+                and isinstance(store.stager.transport, FsspecTransport)
                 and parent_transport._forked()  # its GETs would go to its fallback
                 and bytes(fresh.get(url)) == files["a/two.bin"]
                 and store.read("b/three.bin") == files["b/three.bin"]
@@ -492,5 +494,5 @@ def test_a_local_filesystem_never_imports_the_http_backend(
 
     monkeypatch.setitem(sys.modules, "aiohttp", None)  # importing it raises ImportError
     monkeypatch.delitem(sys.modules, "fsspec.implementations.http", raising=False)
-    made = transport.transport_for(fsspec.filesystem("file", skip_instance_cache=True), 10)
-    assert isinstance(made, transport.FsspecTransport)
+    made = transport_for(fsspec.filesystem("file", skip_instance_cache=True), 10)
+    assert isinstance(made, FsspecTransport)

@@ -23,7 +23,6 @@ blob.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import fcntl
 import hashlib
@@ -39,43 +38,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
 
-import fsspec
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from fastload.errors import RemoteError
-from fastload.listing import ENCODING as _ENCODING
-from fastload.listing import Listing
-from fastload.remote import (
-    hf_parse,
-    is_hf,
-    is_http,
-    key_of,
-    open_filesystem,
-    public_url,
-    remote_url,
-    with_retries,
-)
-from fastload.transport import transport_for
+from fastload.remote import public_url
+from fastload.remote.crawl import list_remote
+from fastload.remote.listing import ENCODING as _ENCODING
+from fastload.remote.listing import Listing
 
 log = logging.getLogger(__name__)
 
-_VERSION_FIELDS = (
-    "VersionId",
-    "ETag",
-    "etag",
-    "md5Hash",
-    "generation",
-    "LastModified",
-    "Last-Modified",
-    "last_modified",
-    "mtime",
-    "updated",
-    "created",
-)
-_HEAD_CONCURRENCY = 64
-_HEAD_TIMEOUT_S = 60.0
 _MAGIC = b"FLMANIF1"
 _SUFFIX = ".flm"
 
@@ -411,179 +385,13 @@ class _Objects(Sequence[RemoteObject]):
 # --- listing -----------------------------------------------------------------------------
 
 
-def _version(info: dict[str, Any]) -> str | None:
-    parts = [f"{f}={info[f]}" for f in _VERSION_FIELDS if info.get(f) not in (None, "")]
-    return ";".join(parts)[:512] if parts else None
-
-
-def _crawl_pages(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, dict[str, Any]]:
-    """Lists an HTTP tree of directory pages: every page and every HEAD concurrently.
-
-    fsspec's own find walks pages one after another and gives no sizes; at 20 ms a request
-    that costs seconds for a few thousand files in a hundred folders.
-    """
-    prefix = root.rstrip("/") + "/"
-
-    async def crawl() -> dict[str, dict[str, Any]]:
-        gate = asyncio.Semaphore(_HEAD_CONCURRENCY)
-        found: dict[str, dict[str, Any]] = {}
-
-        async def head(name: str) -> None:
-            async with gate:
-                found[name] = await asyncio.wait_for(fs._info(name), _HEAD_TIMEOUT_S)
-
-        async def page(path: str) -> None:
-            async with gate:
-                entries = await asyncio.wait_for(fs._ls(path, detail=True), _HEAD_TIMEOUT_S)
-            work = []
-            for entry in entries:
-                name = entry["name"]
-                if not name.startswith(prefix) or name.rstrip("/") == path.rstrip("/"):
-                    continue  # links out of the tree, or back to this page
-                if entry.get("type") == "directory" or name.endswith("/"):
-                    work.append(page(name))
-                elif entry.get("size") is None:
-                    work.append(head(name))
-                else:
-                    found[name] = entry
-            await asyncio.gather(*work)
-
-        await page(root)
-        return found
-
-    return fsspec.asyn.sync(fs.loop, crawl)  # type: ignore[no-any-return]
-
-
-def _list_hub(
-    fs: fsspec.AbstractFileSystem, root: str, progress: Callable[[int], None] | None
-) -> Listing | None:
-    """An ``hf://`` repository's files below root, at one commit: the revision the URL names
-    (``@rev``, else the default branch) resolved to its commit SHA first, then the tree of
-    that commit, so a commit pushed meanwhile cannot mix in. Each version is
-    ``commit=<sha>;oid=<git blob id>[;sha256=<LFS oid>]``: a new commit is a new version of
-    every file (fetched again), and :func:`fastload.remote.path_of` pins each GET at the
-    commit listed. None for a bucket (no commits: fsspec's find lists it)."""
-    from huggingface_hub.hf_api import RepoFile
-
-    try:
-        from huggingface_hub.errors import EntryNotFoundError
-    except ImportError:  # huggingface_hub before 0.25
-        from huggingface_hub.utils import EntryNotFoundError  # type: ignore[attr-defined]
-
-    parsed = hf_parse(root)
-    if not parsed.is_repo:
-        return None
-    api: Any = fs._api
-    commit = api.repo_info(parsed.repo_id, revision=parsed.revision, repo_type=parsed.type).sha
-    base = parsed.path_in_repo.strip("/")
-    try:
-        entries = [
-            e
-            for e in api.list_repo_tree(
-                parsed.repo_id, base or None, recursive=True, revision=commit, repo_type=parsed.type
-            )
-            if isinstance(e, RepoFile)
-        ]
-    except EntryNotFoundError:  # root names a file
-        entries = [
-            e
-            for e in api.get_paths_info(
-                parsed.repo_id, [base], revision=commit, repo_type=parsed.type
-            )
-            if isinstance(e, RepoFile)
-        ]
-    keys, sizes, versions = [], [], []
-    for e in entries:
-        if e.path == base or not base:
-            key = "" if base else e.path
-        elif e.path.startswith(base + "/"):
-            key = e.path[len(base) + 1 :]
-        else:
-            continue  # not below root
-        version = f"commit={commit};oid={e.blob_id}"
-        if e.lfs is not None:
-            version += f";sha256={e.lfs.sha256}"
-        keys.append(key)
-        sizes.append(e.size)
-        versions.append(version)
-    if progress is not None:
-        progress(len(keys))
-    return Listing.of(keys, sizes, versions)
-
-
 def list_dataset(
     url: str, storage_options: dict[str, Any] | None = None, *, progress: bool = False
 ) -> Manifest:
-    """Lists every object under url (or the one object url names).
-
-    S3 (through obstore) lists class folders and other common prefixes concurrently and
-    builds the columns without a Python dict per object; other backends go through fsspec.
-    ``progress`` shows a count on stderr while listing.
-    """
-    fs, root = open_filesystem(url, storage_options)
-    shown = public_url(url)
-    root_url = remote_url(fs, root)
-    counter = _ListingProgress(shown) if progress else None
-    transport = transport_for(fs)
-    columns: Listing | None = None
-    if is_hf(fs):
-        columns = with_retries(lambda: _list_hub(fs, root, counter), shown)
-    elif not is_http(fs):
-        columns = with_retries(lambda: transport.list_columns(root, counter), shown)
-    if columns is not None and len(columns):
-        if counter is not None:
-            counter.done(len(columns))
-        return Manifest.of_listing(root_url, time.time(), columns)
-
-    def listing() -> dict[str, dict[str, Any]]:
-        if is_http(fs):
-            found = _crawl_pages(fs, root)
-        else:
-            found = fs.find(root, detail=True, withdirs=False)
-        if not found and fs.isfile(root):
-            found = {root: fs.info(root)}
-        return found
-
-    found = with_retries(listing, shown)
-    if not found:
-        raise RemoteError(
-            2, f"{shown} lists no objects; check the URL (and storage_options for credentials)"
-        )
-    objects = [
-        RemoteObject(
-            key=key_of(fs, root, str(info.get("name", name))),
-            size=None if info.get("size") is None else int(info["size"]),
-            version=_version(info),
-        )
-        for name, info in found.items()
-        if not str(info.get("name", name)).endswith("/")  # a folder marker, no object
-    ]
-    if counter is not None:
-        counter.done(len(objects))
-    return Manifest(root_url, objects, time.time())
-
-
-class _ListingProgress:
-    """Objects listed so far, on one rewritten line of a terminal (nothing elsewhere)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.count = 0
-        self._shown = 0.0
-        self._tty = sys.stderr.isatty()
-
-    def __call__(self, listed: int) -> None:
-        self.count += listed
-        now = time.monotonic()
-        if self._tty and now - self._shown > 0.2:
-            self._shown = now
-            sys.stderr.write(f"\rlisting {self.url}: {self.count:,} objects")
-            sys.stderr.flush()
-
-    def done(self, count: int) -> None:
-        if self._tty:
-            sys.stderr.write(f"\rlisted {self.url}: {count:,} objects\n")
-            sys.stderr.flush()
+    """Lists every object under url (or the one object url names) into a manifest
+    (:func:`fastload.remote.crawl.list_remote`)."""
+    root_url, columns = list_remote(url, storage_options, progress=progress)
+    return Manifest.of_listing(root_url, time.time(), columns)
 
 
 # --- the cached manifest -------------------------------------------------------------------

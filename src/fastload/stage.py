@@ -2,7 +2,7 @@
 
 One staging thread per request in flight does, object after object: cache hit? → take the
 object's fetch lock (or wait while another process fetches it) → GET through the
-transport (``fastload.transport``; obstore's GETs release the GIL) with retries,
+transport (``fastload.remote``; obstore's GETs release the GIL) with retries,
 exponential backoff and jitter → verify the size → write and publish. Threads rather than
 an event loop: a GET through obstore costs ~0.3 ms of CPU from a thread and ~0.45 ms as an
 awaited future, and no hand-off between a loop and a writer thread is needed. Concurrency
@@ -46,7 +46,8 @@ from fastload.remote import (
     scrub,
     with_retries,
 )
-from fastload.transport import Buffer, Transport, transport_for
+from fastload.remote.connect import transport_for
+from fastload.remote.transport import Buffer, Transport
 
 # "held": the cache turned the object away, so it was fetched into memory (:class:`Holding`).
 Outcome = Literal["cached", "fetched", "held", "skipped", "failed"]
@@ -65,7 +66,7 @@ class FetchConfig:
     range_threshold_bytes: int = 64 << 20  # objects larger than this are fetched in ranges
     range_bytes: int = 16 << 20
     # "auto": obstore where it can send the same requests (s3:// with the s3 extra), the
-    # fsspec filesystem elsewhere; "fsspec": always the filesystem (see fastload.transport).
+    # fsspec filesystem elsewhere; "fsspec": always the filesystem (see fastload.remote.connect).
     transport: Literal["auto", "fsspec"] = "auto"
     # Stage remote objects in a process of its own (fastload.stage_process), so staging
     # never waits for, nor takes, the GIL of a training step. Opt-in for now: its start-up

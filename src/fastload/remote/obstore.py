@@ -1,6 +1,7 @@
-"""The transport: GETs and listings of one remote behind one small, blocking interface.
+"""GETs and listings through obstore (Rust's object_store), where it sends what fsspec would.
 
-Three implementations, chosen per filesystem by :func:`transport_for`:
+Two transports, chosen per filesystem by :func:`fastload.remote.connect.transport_for`
+(beside :class:`fastload.remote.hub.HubTransport` and the fsspec fallback):
 
 - :class:`ObjectStoreTransport` for ``s3://`` when obstore is installed (the ``s3`` extra):
   Rust's object_store signs and sends each GET with the GIL released, at a fraction of the
@@ -19,12 +20,11 @@ Three implementations, chosen per filesystem by :func:`transport_for`:
   other session or request setting (auth, cookies, an SSL context, a custom client),
   ``trust_env`` or a proxy in the environment (which obstore would use and aiohttp does
   not) leaves the filesystem to fsspec; listings are fsspec's in any case.
-- :class:`HubTransport` for the GETs of ``hf://`` (huggingface_hub's HfFileSystem): one
-  request to the file's ``/resolve/`` URL each, whose 429s reach fastload's throttle.
-- :class:`FsspecTransport` for everything else, and for S3 settings obstore does not carry
-  (requester-pays, SSE-C keys, proxies, client certificates, virtual-host addressing on a
-  custom endpoint) or answers it cannot follow (a redirect to another region; from an HTTP
-  server: a body without Content-Length, a range answered whole).
+
+Each falls back to :class:`fastload.remote.transport.FsspecTransport` for S3 settings obstore
+does not carry (requester-pays, SSE-C keys, proxies, client certificates, virtual-host
+addressing on a custom endpoint) or answers it cannot follow (a redirect to another region;
+from an HTTP server: a body without Content-Length, a range answered whole).
 
 obstore's runtime hangs in a forked child once the parent has used it; a forked process
 (a DataLoader worker) therefore never gets an obstore transport, whatever its parent did.
@@ -43,58 +43,16 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import fsspec
 import fsspec.asyn
 
-from fastload.listing import Listing, from_arrow
-from fastload.remote import HTTPResponseError, hf_parse, is_hf, is_http, scrub
-
-Buffer = bytes | memoryview
-
-
-class Transport(Protocol):
-    """GETs (blocking; the GIL is released while waiting where the backend allows it)."""
-
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
-        """Bytes [start, end) of the object at path (a path of the fsspec filesystem);
-        raises what :func:`fastload.remote.classify` sorts, never text with a secret."""
-        ...
-
-    def list_columns(
-        self, root: str, progress: Callable[[int], None] | None = None
-    ) -> Listing | None:
-        """Every object below root as columns (keys relative to root), without a dict per
-        object kept; None where this transport does not list (fsspec's find does then).
-        ``progress`` is called with the number of objects of each page listed."""
-        ...
-
-
-class FsspecTransport:
-    """GETs through the fsspec filesystem itself (any protocol)."""
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, timeout_s: float) -> None:
-        self.fs = fs
-        self.timeout_s = timeout_s
-
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
-        fs: Any = self.fs
-        if getattr(fs, "async_impl", False):
-            try:
-                data = fsspec.asyn.sync(
-                    fs.loop, fs._cat_file, path, start=start, end=end, timeout=self.timeout_s
-                )
-            except fsspec.asyn.FSTimeoutError:
-                raise TimeoutError(f"no complete answer within {self.timeout_s:g}s") from None
-        else:
-            data = fs.cat_file(path, start=start, end=end)
-        return data  # type: ignore[no-any-return]
-
-    def list_columns(
-        self, root: str, progress: Callable[[int], None] | None = None
-    ) -> Listing | None:
-        return None
+from fastload.remote.errors import HTTPResponseError, NotFoundResponse
+from fastload.remote.listing import Listing, from_arrow
+from fastload.remote.scrub import scrub
+from fastload.remote.transport import Buffer, FsspecTransport
+from fastload.remote.urls import is_http
 
 
 class Declined(Exception):
@@ -400,79 +358,6 @@ class ObjectStoreHTTPTransport(_ObstoreTransport):
         return None
 
 
-# The packages whose exceptions huggingface_hub's HTTP session raises, by its version.
-_HUB_CLIENT_MODULES = frozenset(
-    {"httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3", "h11", "h2"}
-)
-
-
-class HubTransport:
-    """GETs of ``hf://`` files (huggingface_hub's HfFileSystem) as one request each: the
-    file's ``/resolve/<revision>/<path>`` URL on the filesystem's endpoint, with the headers
-    huggingface_hub sends (its token: from storage_options, ``$HF_TOKEN`` or the saved
-    login), through huggingface_hub's shared HTTP client (httpx in huggingface_hub 1.x, httpx2
-    in 2.x: only what both share is used). HfFileSystem's own reads cost
-    a repository lookup and a listing per file opened and retry a 429 inside themselves,
-    seconds at a time, where fastload's stager would not see it; here a 429 (or 503)
-    reaches the stager, which backs off and halves its concurrency (AIMD) as for S3's
-    SlowDown. Listings are :mod:`fastload.manifest`'s (pinned at a commit)."""
-
-    def __init__(self, fs: Any, timeout_s: float, fallback: FsspecTransport) -> None:
-        self._fs = fs
-        self._timeout_s = timeout_s
-        self._fallback = fallback
-
-    @classmethod
-    def from_hf(cls, fs: Any, timeout_s: float) -> HubTransport | None:
-        if not is_hf(fs) or not hasattr(fs, "_api") or not hasattr(fs, "endpoint"):
-            return None
-        return cls(fs, timeout_s, FsspecTransport(fs, timeout_s))
-
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
-        from huggingface_hub import get_session, hf_hub_url
-
-        if start is not None and start == end:
-            return b""
-        parsed = hf_parse(path)
-        if not parsed.is_repo or not parsed.path_in_repo:
-            return self._fallback.get(path, start, end)  # a bucket's file: HfFileSystem's
-        url = hf_hub_url(
-            parsed.repo_id,
-            parsed.path_in_repo,
-            repo_type=parsed.type,
-            revision=parsed.revision or "main",
-            endpoint=self._fs.endpoint,
-        )
-        headers = self._fs._api._build_hf_headers()
-        if start is not None or end is not None:
-            headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
-        try:
-            response = get_session().get(url, headers=headers, timeout=self._timeout_s)
-        except Exception as exc:  # the session's client: httpx, httpx2 or requests by version
-            if type(exc).__module__.split(".", 1)[0] not in _HUB_CLIENT_MODULES:
-                raise  # not the network's (a bug is not retried as a dropped connection)
-            name = type(exc).__name__
-            if "Timeout" in name:
-                raise TimeoutError(f"no complete answer within {self._timeout_s:g}s") from None
-            # Its text names no URL; scrubbed all the same.
-            raise ConnectionError(f"{name}: {scrub(str(exc))[:200]}") from None
-        status = response.status_code
-        if status >= 400:
-            code = response.headers.get("X-Error-Code") or None
-            message = response.headers.get("X-Error-Message") or None
-            answer = NotFoundResponse if status == 404 else HTTPResponseError
-            raise answer(status, code, message)
-        data = response.content
-        if status == 200 and (start or end is not None):  # a range answered whole
-            data = data[start or 0 : end]
-        return data
-
-    def list_columns(
-        self, root: str, progress: Callable[[int], None] | None = None
-    ) -> Listing | None:
-        return None
-
-
 # What reqwest takes from the environment (aiohttp without trust_env does not).
 _PROXY_ENV = tuple(
     name for base in ("http_proxy", "https_proxy", "all_proxy") for name in (base, base.upper())
@@ -613,11 +498,6 @@ def _translate(exc: BaseException, timeout_s: float) -> BaseException:
     return error
 
 
-class NotFoundResponse(HTTPResponseError, FileNotFoundError):
-    """A 404: a FileNotFoundError (as fsspec raises for one) that keeps the status and the
-    remote's error code and message."""
-
-
 _CERTIFICATE = re.compile(r"InvalidCertificate\(\s*(\w+)")
 # Answers object_store does not follow and fsspec does: a range answered with the whole
 # object (200), a response without Content-Length (chunked) or with headers it cannot parse.
@@ -653,26 +533,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-_by_fs: dict[tuple[int, int, float, bool], Transport] = {}
-_by_fs_lock = threading.Lock()
-
-
-def transport_for(
-    fs: fsspec.AbstractFileSystem, timeout_s: float = 60.0, *, fsspec_only: bool = False
-) -> Transport:
-    """The transport for fs in this process (one per filesystem and process, so its
-    connections are reused across staging calls)."""
-    key = (os.getpid(), id(fs), timeout_s, fsspec_only)
-    with _by_fs_lock:
-        transport = _by_fs.get(key)
-    if transport is None:
-        made: Transport | None = None
-        if not fsspec_only:
-            made = ObjectStoreTransport.from_s3fs(fs, timeout_s)
-            made = made or ObjectStoreHTTPTransport.from_http(fs, timeout_s)
-            made = made or HubTransport.from_hf(fs, timeout_s)
-        transport = made if made is not None else FsspecTransport(fs, timeout_s)
-        with _by_fs_lock:
-            transport = _by_fs.setdefault(key, transport)
-    return transport
