@@ -19,11 +19,10 @@ import pytest
 pytest.importorskip("huggingface_hub")
 
 import fastload as fl
-from fastload import stage
 from fastload.datasets import open_dataset
 from fastload.manifest import load_manifest
 from fastload.sampler import ShardedSampler
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig, throttle
 from fastload.testing import HubServerProcess
 from fastload.warm import NodeShare
 
@@ -132,13 +131,13 @@ def test_a_nodes_parquet_share_is_warmed_by_range_through_429s(
     pq = pytest.importorskip("pyarrow.parquet")
     monkeypatch.delenv("HF_TOKEN", raising=False)
     cuts: list[int] = []
-    throttled = stage._Throttle.throttled
+    throttled = throttle.Throttle.throttled
 
-    def counted(self: stage._Throttle) -> None:
+    def counted(self: throttle.Throttle) -> None:
         throttled(self)
         cuts.append(self.limit)
 
-    monkeypatch.setattr(stage._Throttle, "throttled", counted)
+    monkeypatch.setattr(throttle.Throttle, "throttled", counted)
     root = tmp_path / "repo"
     (root / "data").mkdir(parents=True)
     for f in range(2):
@@ -211,13 +210,13 @@ def test_429s_are_throttling_retried_and_the_warm_succeeds(
     hub: HubServerProcess, repo: dict[str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cuts: list[int] = []  # the stager's AIMD throttle, each time it is told to slow down
-    throttled = stage._Throttle.throttled
+    throttled = throttle.Throttle.throttled
 
-    def counted(self: stage._Throttle) -> None:
+    def counted(self: throttle.Throttle) -> None:
         throttled(self)
         cuts.append(self.limit)
 
-    monkeypatch.setattr(stage._Throttle, "throttled", counted)
+    monkeypatch.setattr(throttle.Throttle, "throttled", counted)
     url = hub.url_for("train")
     hub.throttle_next(2, kind="repo_info")  # the listing too
     listed = fl.warm(

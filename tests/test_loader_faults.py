@@ -35,7 +35,7 @@ import fastload as fl
 from fastload.cache import Cache
 from fastload.decode import DecodeError, EvalPreset, TrainPreset
 from fastload.errors import RemoteError
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 from fastload.testing import RangeHTTPServer
 
 # Bounds for waits that must end (threads finishing the sample in hand, a process exiting).
@@ -439,7 +439,7 @@ def test_a_worker_killed_by_sigkill_from_outside_is_an_error(tmp_path: Path) -> 
 TRAINING_SCRIPT = """
 import sys
 import fastload as fl
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 
 url, cache = sys.argv[1], sys.argv[2]
 # Two fetches at a time and little staged ahead: the epoch takes a while to fetch.

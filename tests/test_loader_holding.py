@@ -18,7 +18,7 @@ from fastload.datasets.base import ShardedDataset
 from fastload.errors import RemoteError, RemoteNotFoundError
 from fastload.loader.pipeline import Pipeline
 from fastload.loader.stats import LoaderStats
-from fastload.stage import FetchConfig, Holding
+from fastload.staging import FetchConfig, Holding
 
 QUICK = FetchConfig(jobs=8, retries=4, backoff_s=0.01, backoff_max_s=0.02, timeout_s=10)
 

@@ -714,7 +714,7 @@ def test_an_untrusted_certificate_fails_at_once_saying_how_to_trust_it(
 ) -> None:
     """Not eight retries of "error sending request": the handshake will fail every time."""
     from fastload.errors import RemoteAccessError
-    from fastload.stage import FetchConfig
+    from fastload.staging import FetchConfig
     from fastload.store import CachedStore
 
     store = CachedStore.open(

@@ -40,7 +40,7 @@ import fastload as fl
 from fastload.errors import RemoteAccessError, RemoteError, RemoteNotFoundError
 from fastload.remote import connect as transports
 from fastload.remote import open_filesystem
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 from fastload.testing import HubServerProcess, S3FolderServer
 
 KEY_ID = "AKIAFASTLOADTESTKEY"

@@ -1,4 +1,4 @@
-"""Staging in a process of its own (fastload.stage_process): real child processes, a real
+"""Staging in a process of its own (fastload.staging.process): real child processes, a real
 S3 server (moto) and HTTP server, SIGKILL for the crash cases."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from conftest import Remote, open_remote
 
-from fastload import stage_process
 from fastload.bench.runner import process_tree
 from fastload.cache import Cache
 from fastload.errors import CacheError, RemoteNotFoundError
 from fastload.manifest import RemoteObject
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
+from fastload.staging import process as stage_process
 from fastload.store import CachedStore
 
 QUICK = FetchConfig(
@@ -42,7 +42,7 @@ def staging_children() -> list[int]:
     for pid in process_tree(os.getpid())[1:]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"fastload.stage_process" in f.read():
+                if b"fastload.staging.process_main" in f.read():
                     found.append(pid)
         except OSError:
             continue
@@ -166,7 +166,7 @@ def test_the_staging_process_dies_with_its_parent(served: Remote, tmp_path: Path
         textwrap.dedent(
             f"""
             import json, os, sys, time
-            from fastload.stage import FetchConfig
+            from fastload.staging import FetchConfig
             from fastload.store import CachedStore
             store = CachedStore.open({served.url!r}, cache_dir={str(tmp_path / "cache")!r},
                                      storage_options={served.storage_options!r},
@@ -184,7 +184,7 @@ def test_the_staging_process_dies_with_its_parent(served: Remote, tmp_path: Path
         children = [
             pid
             for pid in process_tree(parent.pid)[1:]
-            if b"fastload.stage_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"fastload.staging.process_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]
         assert children, "the parent staged without a staging process"
         parent.send_signal(signal.SIGKILL)

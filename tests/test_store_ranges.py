@@ -7,7 +7,7 @@ from pathlib import Path
 from conftest import Remote
 
 from fastload.cache import Cache
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 from fastload.store import CachedStore
 
 QUICK = FetchConfig(jobs=4, retries=2, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)

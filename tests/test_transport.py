@@ -17,7 +17,7 @@ from fastload.errors import RemoteNotFoundError
 from fastload.manifest import RemoteObject, list_dataset
 from fastload.remote import open_filesystem
 from fastload.remote.transport import FsspecTransport
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 from fastload.store import CachedStore
 from fastload.testing import S3FolderServer
 

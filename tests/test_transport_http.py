@@ -29,7 +29,7 @@ from fastload.manifest import RemoteObject
 from fastload.remote import HTTPResponseError
 from fastload.remote.connect import transport_for
 from fastload.remote.transport import FsspecTransport
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 from fastload.store import CachedStore
 from fastload.testing import RangeHTTPServer
 from fastload.testing import http_server as http_server_module

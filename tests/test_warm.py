@@ -23,7 +23,7 @@ from fastload.errors import (
     RemoteError,
     RemoteNotFoundError,
 )
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 from fastload.warm import warm
 
 QUICK_RETRIES = FetchConfig(jobs=8, retries=6, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10)
@@ -236,7 +236,7 @@ def test_permanent_failures_fail_fast_naming_the_url(
 
 
 def test_throttling_halves_concurrency_and_it_recovers() -> None:
-    from fastload.stage import _Throttle
+    from fastload.staging.throttle import Throttle as _Throttle
 
     t = _Throttle(FetchConfig(jobs=16, min_jobs=2))
     seen = [t.limit]
@@ -577,7 +577,7 @@ def test_a_missing_package_fails_at_once_naming_the_url_and_the_extra(
 ) -> None:
     """An ImportError from the transport is not a network hiccup: no retries (a bare
     install's warm once retried `No module named 'aiohttp'` six times)."""
-    import fastload.stage as stage
+    import fastload.staging.stager as stage
 
     calls = []
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from fastload import decode
+from fastload import decode, pickled_names
 from fastload.datasets import open_dataset
 from fastload.datasets.tar import write_index
 from fastload.errors import (
@@ -50,6 +50,8 @@ def __getattr__(name: str) -> Any:
         return DataLoader
     raise AttributeError(f"module 'fastload' has no attribute {name!r}")
 
+
+pickled_names.install()
 
 try:
     __version__ = version("fastload")

@@ -21,7 +21,7 @@ from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import integrity_error, open_filesystem, public_url
-from fastload.stage import FetchConfig, Holding, Stager, StageResult
+from fastload.staging import FetchConfig, Holding, Stager, StageResult
 
 Range: TypeAlias = tuple[str, int, int]  # (object key, offset, length)
 

@@ -12,7 +12,7 @@ from fastload.errors import RemoteError
 from fastload.plan import DEFAULT_WINDOW_SHARDS
 from fastload.progress import Progress, ProgressBar
 from fastload.remote import is_transient, public_url, scrub
-from fastload.stage import FetchConfig, StageResult
+from fastload.staging import FetchConfig, StageResult
 from fastload.store import CachedStore, Range, RangeResult
 
 if TYPE_CHECKING:

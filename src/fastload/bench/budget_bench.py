@@ -45,7 +45,7 @@ import numpy as np
 import fastload as fl
 from fastload.bench.e2e_data import natural_image
 from fastload.bench.runner import Measurement, Report, relate
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 from fastload.testing import HTTPServerProcess
 
 BUCKET = "budget"

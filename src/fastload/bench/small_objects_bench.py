@@ -20,7 +20,7 @@ process where there is one, which a training job does once):
 * ``fastload warm``: staging in this process through obstore, with the listing already in
   the cache. The reference.
 * ``fastload warm, staging process``: ``FetchConfig(staging_process=True)``, staging in a
-  process of its own (``fastload.stage_process``). ``training process CPU ms/obj`` is the
+  process of its own (``fastload.staging.process``). ``training process CPU ms/obj`` is the
   CPU of the process that called ``warm`` alone, its staging process left out: what
   staging cost the training process, and a bound on the GIL it held there.
 * ``fastload warm, lists first``: listing the bucket too.
@@ -91,7 +91,7 @@ import json, sys, threading, time
 import fastload as fl
 from pathlib import Path
 from fastload.manifest import load_manifest
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 spec = json.loads(sys.argv[1])
 url, cache, options = spec["url"], spec["cache"], spec["storage_options"]
 fetch = FetchConfig(transport=spec["transport"], staging_process=spec["staging_process"])

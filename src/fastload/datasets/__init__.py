@@ -23,7 +23,7 @@ from fastload.datasets.folder import (
 )
 from fastload.datasets.tar import INDEX_NAME, WIDS_INDEX_NAME
 from fastload.manifest import Manifest, RemoteObject
-from fastload.stage import FetchConfig
+from fastload.staging import FetchConfig
 from fastload.store import CachedStore, StoreConfig
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from fastload.decode import DecodedBatch, DecodeError, Decoder
 from fastload.errors import FastloadError
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
-from fastload.stage import StageResult
+from fastload.staging import StageResult
 
 # Tar fields taken as the image / the label when decoding (WebDataset's usual names).
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")

@@ -8,14 +8,15 @@ GIL; a round costs one message each way, whatever its number of objects. Opt-in
 (``FetchConfig(staging_process=True)``): the process starts at the first round, a fresh
 interpreter's second or two, which a cold epoch's first batch would wait for.
 
-The process is a fresh interpreter (``python -m fastload.stage_process``), so nothing of
-the parent's state, obstore's runtime included, is inherited. It is told the filesystem
+The process is a fresh interpreter (``python -m fastload.staging.process_main``), so nothing
+of the parent's state, obstore's runtime included, is inherited. It is told the filesystem
 (pickled: the storage options travel over the pipe, never through a file or the command
-line) and the cache settings, opens its own cache handle and :class:`~fastload.stage.Stager`
-and answers rounds until its stdin closes. It dies with its parent (``PR_SET_PDEATHSIG`` on
-Linux; elsewhere at the pipe's end). A failure comes back as the error's class, errno,
-text and URL and is raised in the parent as the same class. Nothing is shared but the
-cache on disk, with its locks, as between any two processes that use it.
+line) and the cache settings, opens its own cache handle and
+:class:`~fastload.staging.stager.Stager` and answers rounds until its stdin closes. It dies
+with its parent (``PR_SET_PDEATHSIG`` on Linux; elsewhere at the pipe's end). A failure
+comes back as the error's class, errno, text and URL and is raised in the parent as the same
+class. Nothing is shared but the cache on disk, with its locks, as between any two processes
+that use it.
 """
 
 from __future__ import annotations
@@ -24,33 +25,30 @@ import atexit
 import contextlib
 import os
 import pickle
-import signal
 import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import fsspec
 
 from fastload import errors
-from fastload.cache import Cache, CacheConfig
-from fastload.manifest import Manifest, RemoteObject
+from fastload.cache import CacheConfig
+from fastload.manifest import RemoteObject
 from fastload.remote import scrub
 
 _HEADER = struct.Struct("!Q")
-_PROGRESS_EVERY_S = 0.1
 
 
-def _send(stream: IO[bytes], message: Any) -> None:
+def send(stream: IO[bytes], message: Any) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
 
 
-def _receive(stream: IO[bytes]) -> Any:
+def receive(stream: IO[bytes]) -> Any:
     """The next message, or None at the end of the stream."""
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
@@ -62,7 +60,7 @@ def _receive(stream: IO[bytes]) -> Any:
     return pickle.loads(data)
 
 
-def _error_message(exc: BaseException) -> tuple[Any, ...]:
+def error_message(exc: BaseException) -> tuple[Any, ...]:
     """An exception as the parent rebuilds it: fastload's own classes keep their class,
     errno, text, URL and remote fields; anything else arrives as a RuntimeError."""
     if isinstance(exc, errors.FastloadError) and isinstance(exc, OSError):
@@ -101,14 +99,14 @@ class StagingProcess:
         path = os.environ.get("PYTHONPATH")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, path]))}
         process = subprocess.Popen(
-            [sys.executable, "-m", "fastload.stage_process", str(os.getpid())],
+            [sys.executable, "-m", "fastload.staging.process_main", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
         )
         assert process.stdin is not None
         with contextlib.suppress(OSError):  # it ended already: the round finds out and says so
-            _send(process.stdin, self._settings)
+            send(process.stdin, self._settings)
         return process
 
     def stage(
@@ -161,10 +159,10 @@ class StagingProcess:
         assert process.stdin is not None
         assert process.stdout is not None
         try:
-            _send(process.stdin, ("stage", manifest_url, list(objects), progress is not None))
+            send(process.stdin, ("stage", manifest_url, list(objects), progress is not None))
         except OSError:
             return None
-        while (message := _receive(process.stdout)) is not None:
+        while (message := receive(process.stdout)) is not None:
             kind = message[0]
             if kind == "progress" and progress is not None:
                 progress(*message[1:])
@@ -220,75 +218,3 @@ def _close_all() -> None:
         mine = [p for (pid, *_), p in _processes.items() if pid == os.getpid()]
     for process in mine:  # a process mid-round would finish it first: exit promptly
         process.close(wait_s=1.0)
-
-
-# --- the staging process itself ----------------------------------------------------------
-
-
-class _Reporter:
-    """Sends a round's progress to the parent, at most every _PROGRESS_EVERY_S."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        self._stream = stream
-        self._last = 0.0
-
-    def __call__(self, done: Any) -> None:
-        now = time.monotonic()
-        if now - self._last >= _PROGRESS_EVERY_S:
-            self._last = now
-            message = ("progress", done.objects_done, done.bytes_done, done.fetched_bytes)
-            _send(self._stream, message)
-
-
-def _die_with_parent(parent: int) -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        os._exit(1)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    _die_with_parent(int(args[0]))
-    # Ctrl-C reaches the whole process group: the parent decides, and ends this process
-    # by closing the pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing but messages on the pipe
-    from fastload.stage import FetchConfig, Stager, StageResult
-
-    settings = _receive(stdin)
-    if settings is None:
-        return
-    fs, root, cache_config, fetch = settings
-    c = cache_config
-    cache = Cache(
-        c.cache_dir,
-        max_bytes=c.max_bytes,
-        policy=c.policy,
-        lock_timeout_s=c.lock_timeout_s,
-        fsync=c.fsync,
-    )
-    in_process: FetchConfig = fetch.in_process()
-    while (request := _receive(stdin)) is not None:
-        _, manifest_url, objects, wants_progress = request
-        manifest = Manifest(url=manifest_url, objects=(), listed_at=0.0)
-        stager = Stager(cache=cache, manifest=manifest, fs=fs, root=root, config=in_process)
-        try:
-            results: list[StageResult] = stager.stage(
-                objects, progress=_Reporter(stdout) if wants_progress else None
-            )
-        except BaseException as exc:  # handed to the parent, which raises it
-            _send(stdout, _error_message(exc))
-            continue
-        answers = [(r.url, r.outcome, r.nbytes, r.attempts, r.error) for r in results]
-        _send(stdout, ("done", answers))
-    cache.close()
-
-
-if __name__ == "__main__":
-    main()
