@@ -17,7 +17,7 @@ from fastload.bench import gpu_check
 from fastload.bench.gpu_check import GpuCheckConfig, Outcome, ring_feed
 from fastload.bench.runner import Measurement, Report
 from fastload.decode.cpu import decode_rgb
-from fastload.ring import DeviceRing
+from fastload.loader.ring import DeviceRing
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"

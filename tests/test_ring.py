@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastload.errors import FastloadError
-from fastload.ring import DeviceRing, RingClosedError, RingTimeoutError
+from fastload.loader.ring import DeviceRing, RingClosedError, RingTimeoutError
 
 HAS_CUDA = torch.cuda.is_available()
 Pair = namedtuple("Pair", ["left", "right"])
@@ -315,7 +315,7 @@ def test_cuda_without_a_device_says_what_to_do() -> None:
 def test_a_large_batch_is_packed_in_pieces_on_several_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("fastload.ring._PACK_PIECE_BYTES", 4096)  # small batches split too
+    monkeypatch.setattr("fastload.loader.ring._PACK_PIECE_BYTES", 4096)  # small batches split too
     g = torch.Generator().manual_seed(3)
     images = torch.rand(64, 3, 16, 16, generator=g)
     batch = {

@@ -108,10 +108,6 @@ class Manifest:
 
     # --- reading ---------------------------------------------------------------------------
 
-    @property
-    def dataset_id(self) -> str:
-        return hashlib.sha256(self.url.encode()).hexdigest()[:24]
-
     def __len__(self) -> int:
         return len(self._sizes)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import errno as errno_codes
+import importlib
 import logging
 import mmap
 import os
@@ -46,12 +47,12 @@ _DEFAULT_CHUNK_BYTES = 8 << 20
 def _load_native() -> tuple[ModuleType | None, str]:
     if os.environ.get(NATIVE_ENV, "1") == "0":
         return None, f"disabled by {NATIVE_ENV}=0"
-    try:
-        from fastload import _native
+    try:  # by name, as decode.native_jpeg does: the extension module is built, not a source
+        native = importlib.import_module("fastload._native")
     except ImportError as exc:  # a broken or missing build: fall back, but say so once
         log.warning("fastload native extension unavailable (%s); using the Python reader", exc)
         return None, f"failed to load: {exc}"
-    return _native, "loaded"
+    return native, "loaded"
 
 
 _native, _native_status = _load_native()

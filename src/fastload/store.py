@@ -12,7 +12,7 @@ spawn.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -295,9 +295,6 @@ class CachedStore:
             finally:
                 lock.release()
         return self._read_remote(obj, offset, length), True
-
-    def read_many(self, requests: Iterable[tuple[str, int, int | None]]) -> list[bytes]:
-        return [self.read(k, o, n) for k, o, n in requests]
 
     def _read_remote(self, obj: RemoteObject, offset: int, length: int | None) -> bytes:
         end = None if length is None else offset + length

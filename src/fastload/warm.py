@@ -41,30 +41,36 @@ class NodeShare:
             raise ValueError(f"epochs must be one or more epochs >= 0, got {list(self.epochs)}")
 
     def staging(self, url: str, **open_options: Any) -> Staging:
-        """What to stage for these ranks and epochs (first needed first), and every cache
-        entry they read, in order (for the ``plan`` policy)."""
+        """What to stage for these ranks and epochs of the dataset at url (opened in
+        ``format`` with open_options): see :meth:`staging_of`."""
         from fastload.datasets import open_dataset
-        from fastload.plan import Plan
 
         with open_dataset(url, format=self.format, **open_options) as dataset:
-            plan = Plan(
-                dataset.shard_sizes,
-                seed=self.seed,
-                shuffle=self.shuffle,
-                drop_last=self.drop_last,
-                window_shards=self.window_shards,
-            )
-            future = plan.future(self.epochs, world_size=self.world_size, ranks=self.ranks)
-            keys, ranges = dataset.to_stage(future.first_needed)
-            whole = set(keys)
-            ranged = dataset.stages_by_range
-            accesses: list[str] = []
-            named: dict[int, list[str]] = {}  # a ranged shard's entries (it recurs by epoch)
-            for shard in map(int, future.accesses()):
-                entries = named.get(shard) or _entries(dataset, shard, whole)
-                if ranged:
-                    named[shard] = entries
-                accesses += entries
+            return self.staging_of(dataset)
+
+    def staging_of(self, dataset: ShardedDataset) -> Staging:
+        """What to stage of dataset for these ranks and epochs (first needed first), and
+        every cache entry they read, in order (for the ``plan`` policy)."""
+        from fastload.plan import Plan
+
+        plan = Plan(
+            dataset.shard_sizes,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            window_shards=self.window_shards,
+        )
+        future = plan.future(self.epochs, world_size=self.world_size, ranks=self.ranks)
+        keys, ranges = dataset.to_stage(future.first_needed)
+        whole = set(keys)
+        ranged = dataset.stages_by_range
+        accesses: list[str] = []
+        named: dict[int, list[str]] = {}  # a ranged shard's entries (it recurs by epoch)
+        for shard in map(int, future.accesses()):
+            entries = named.get(shard) or _entries(dataset, shard, whole)
+            if ranged:
+                named[shard] = entries
+            accesses += entries
         return Staging(keys=keys, ranges=ranges, accesses=accesses)
 
 
@@ -92,12 +98,9 @@ class Staging:
     accesses: list[str] | None = None  # cache entries in the order they are read
 
 
-def dataset_staging(url: str, format: str, **open_options: Any) -> Staging:
-    """What staging the whole dataset at url, opened in format, fetches, shard by shard."""
-    from fastload.datasets import open_dataset
-
-    with open_dataset(url, format=format, **open_options) as dataset:
-        keys, ranges = dataset.to_stage(range(len(dataset.shard_keys)))
+def dataset_staging(dataset: ShardedDataset) -> Staging:
+    """What staging the whole dataset fetches, shard by shard."""
+    keys, ranges = dataset.to_stage(range(len(dataset.shard_keys)))
     return Staging(keys=keys, ranges=ranges)
 
 
@@ -167,36 +170,31 @@ def warm(
     ``progress=None`` shows a bar when stderr is a terminal.
     """
     started = time.monotonic()
-    open_options = {
+    if format is not None and (keys is not None or share is not None):
+        raise ValueError("give one of keys, share and format (share has its own format)")
+    if share is not None and keys is not None:
+        raise ValueError("give keys or share, not both")
+    config = fetch or (FetchConfig(jobs=jobs, min_jobs=min(2, jobs)) if jobs else FetchConfig())
+    settings: dict[str, Any] = {
         "cache_dir": cache_dir,
-        "storage_options": storage_options,
+        "storage_options": dict(storage_options or {}),
+        "max_bytes": max_bytes,
+        "policy": policy,
         "refresh": refresh,
         "ttl_s": ttl_s,
+        "fetch": config,
     }
     staging: Staging | None = None
-    if format is not None:
-        if keys is not None or share is not None:
-            raise ValueError("give one of keys, share and format (share has its own format)")
-        staging = dataset_staging(url, format, **open_options)
-    if share is not None:
-        if keys is not None:
-            raise ValueError("give keys or share, not both")
-        staging = share.staging(url, **open_options)
     ranges: list[Range] = []
-    if staging is not None:
+    if format is None and share is None:
+        store = CachedStore.open(url, **settings)
+    else:  # the dataset says what to stage; its store (one per warm) stages it
+        from fastload.datasets import open_dataset
+
+        dataset = open_dataset(url, format=share.format if share else str(format), **settings)
+        store = dataset.store
+        staging = share.staging_of(dataset) if share else dataset_staging(dataset)
         keys, ranges = staging.keys, staging.ranges
-        refresh = False  # listed just now
-    config = fetch or (FetchConfig(jobs=jobs, min_jobs=min(2, jobs)) if jobs else FetchConfig())
-    store = CachedStore.open(
-        url,
-        cache_dir=cache_dir,
-        storage_options=dict(storage_options or {}),
-        max_bytes=max_bytes,
-        policy=policy,
-        refresh=refresh,
-        ttl_s=ttl_s,
-        fetch=config,
-    )
     try:
         return _warm(store, keys, ranges, staging, dry_run, progress, started)
     finally:

@@ -374,7 +374,7 @@ def ring_feed(
     in all or forever), the caller's iterator gets them on the device. Leaving the block
     before the producer is done closes the ring, which wakes the producer if it waits for a
     slot; otherwise the ring stays open for more."""
-    from fastload.ring import RingClosedError
+    from fastload.loader.ring import RingClosedError
 
     transfers: queue.Queue[Any] = queue.Queue()
     errors: list[BaseException] = []
@@ -425,7 +425,7 @@ def relate_bandwidth(rows: Sequence[Measurement], reference: str) -> list[Measur
 
 
 def measure_copy(config: GpuCheckConfig, outcome: Outcome) -> None:
-    from fastload.ring import DeviceRing
+    from fastload.loader.ring import DeviceRing
 
     device = torch.device(config.device)
     nbytes = config.batch_bytes
@@ -548,7 +548,7 @@ def measure_overlap(
 ) -> None:
     import fastload
     from fastload.decode import make_decoder
-    from fastload.ring import DeviceRing
+    from fastload.loader.ring import DeviceRing
 
     device = torch.device(config.device)
     step = SimulatedStep(device, config.step_ms)

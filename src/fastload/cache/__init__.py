@@ -23,17 +23,13 @@ turned away. Policies (``core.py``): ``lru``, ``pin`` (keep what is cached, turn
 away) and ``plan`` (evict what the access order needs furthest ahead).
 """
 
+from fastload.cache.config import CACHE_DIR_ENV, POLICIES, CacheConfig, Policy, default_cache_dir
 from fastload.cache.core import (
-    CACHE_DIR_ENV,
-    POLICIES,
     Cache,
-    CacheConfig,
     PlanHint,
-    Policy,
     Span,
     checksum_bytes,
     checksum_file,
-    default_cache_dir,
     entry_id,
     object_id,
     printable,

@@ -15,27 +15,17 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeAlias
+from typing import TypeAlias
 
 import xxhash
 
+from fastload.cache.config import CacheConfig, Policy, default_cache_dir
 from fastload.cache.index import Entry, Index
 from fastload.cache.locks import FetchLock, FetchLocks
 from fastload.cache.storage import Location, PartFile, Storage, disk_error
 from fastload.errors import CacheCorruptError, CacheError
 
-Policy: TypeAlias = Literal["lru", "pin", "plan"]
-POLICIES: tuple[Policy, ...] = ("lru", "pin", "plan")
-CACHE_DIR_ENV = "FASTLOAD_CACHE_DIR"
 Span: TypeAlias = tuple[int, int]  # (start, length) of a byte range of an object
-
-
-def default_cache_dir() -> Path:
-    """``$FASTLOAD_CACHE_DIR``, else the per-user cache folder (``$XDG_CACHE_HOME/fastload``)."""
-    if os.environ.get(CACHE_DIR_ENV):
-        return Path(os.environ[CACHE_DIR_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fastload"
 
 
 @functools.lru_cache(maxsize=8192)  # staging asks for the same ids 4-5 times per object
@@ -97,28 +87,6 @@ class PlanHint:
         nxt = self.next_use(oid)
         if nxt != float("inf"):
             self.position = int(nxt) + 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class CacheConfig:
-    cache_dir: Path
-    max_bytes: int | None = None
-    policy: Policy = "lru"
-    lock_timeout_s: float = 600.0
-    fsync: bool = False  # survive power loss, not only process death, at a cost per file
-    # Small entries are packed into segments of this many bytes (storage.py); None: 1/64 of
-    # max_bytes, at most 64 MB, and no packing under a 64 MB budget; 0: never pack.
-    segment_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_bytes is not None and self.max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {self.max_bytes}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.lock_timeout_s <= 0:
-            raise ValueError(f"lock_timeout_s must be > 0, got {self.lock_timeout_s}")
-        if self.segment_bytes is not None and self.segment_bytes < 0:
-            raise ValueError(f"segment_bytes must be >= 0 or None, got {self.segment_bytes}")
 
 
 @dataclass(slots=True)

@@ -32,14 +32,11 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import xxhash
 
+from fastload.cache.config import CacheConfig
 from fastload.cache.locks import FetchLocks
-
-if TYPE_CHECKING:
-    from fastload.cache.core import CacheConfig
 from fastload.errors import CacheError
 
 SEGMENT_BYTES_MAX = 64 << 20

@@ -404,7 +404,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _device_ring(self) -> Any:
         if self._ring is None:
-            from fastload.ring import DeviceRing
+            from fastload.loader.ring import DeviceRing
 
             slots = self.ring_slots or self._prefetch_depth() + 1
             self._ring = DeviceRing(self.device, slots=slots)  # type: ignore[arg-type]
