@@ -1,4 +1,5 @@
-"""The installed ``fastload`` console script: a thin shell with DESIGN.md's exit codes."""
+"""The installed ``fastload`` console script: a thin shell with the README's exit codes
+(0 success, 1 the work failed, 2 bad usage)."""
 
 from __future__ import annotations
 

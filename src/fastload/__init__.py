@@ -1,6 +1,6 @@
 """fastload: stage datasets from anywhere fsspec reaches onto local NVMe; feed GPUs without waiting.
 
-See DESIGN.md for the data path; each stage lives in its own module.
+Each stage of the data path lives in a package of its own; the README's "Layout" lists them.
 """
 
 from __future__ import annotations
