@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastload.bench import gpu_check
-from fastload.bench.gpu_check import GpuCheckConfig, Outcome, ring_feed
+from fastload.bench.gpu import gpu_check
+from fastload.bench.gpu.gpu_check import GpuCheckConfig, Outcome, ring_feed
 from fastload.bench.runner import Measurement, Report
 from fastload.decode.cpu import decode_rgb
 from fastload.ring import DeviceRing

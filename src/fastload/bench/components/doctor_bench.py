@@ -1,7 +1,7 @@
 """The doctor's predictions against what ``--apply`` measures, and its own cost (P12).
 
 Each scenario is one ``fl.doctor(url, apply=True, gpu="A100", ...)`` call on the bench's
-generated ImageFolder (:mod:`fastload.bench.e2e_data`, 600 JPEGs of about 105 KB) served
+generated ImageFolder (:mod:`fastload.bench.e2e.e2e_data`, 600 JPEGs of about 105 KB) served
 over S3 by an :class:`~fastload.testing.S3FolderProcess` in a process of its own
 (:func:`fastload.diagnosis.builtin.builtin_remote`: latency per request, 100 MB/s per
 connection), each on a fresh cache directory, batches of 64 decoded to ``TrainPreset(224)``:

@@ -86,7 +86,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from fastload.bench import decode_bench, zarr_bench
+from fastload.bench.components import decode_bench, zarr_bench
 from fastload.bench.runner import (
     Measurement,
     Report,
@@ -602,7 +602,7 @@ class _Child:
         spec_path = Path(self._tmp.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         self._stderr = open(Path(self._tmp.name) / "stderr", "w+b")  # noqa: SIM115
-        code = "from fastload.bench.loader_bench import child_main; child_main()"
+        code = "from fastload.bench.components.loader_bench import child_main; child_main()"
         self._proc = subprocess.Popen(
             [sys.executable, "-c", code, str(spec_path)],
             stdin=subprocess.PIPE,

@@ -11,7 +11,7 @@ ms) per request:
   samples of ``sample_bytes`` (52,000: 67 MB a shard, so a first batch that needs whole
   shards shows it), with wids' ``shardindex.json``.
 
-Every fastload figure comes from a fresh process (``python -m fastload.bench.scale_bench
+Every fastload figure comes from a fresh process (``python -m fastload.bench.scale.scale_bench
 child SPEC``) that imports first, says "ready", and is timed from "go": wall time, its
 CPU (``getrusage``: every thread of the process, obstore's included) and its private
 memory (USS, ``/proc/self/smaps_rollup``) before and after; the server's CPU and its
@@ -450,7 +450,7 @@ class _Child:
     def __init__(self, spec: dict[str, Any], python: str | None = None) -> None:
         env = None
         if python is not None:  # the peers' venv: this fastload through a link folder
-            from fastload.bench.e2e_process import child_env
+            from fastload.bench.e2e.e2e_process import child_env
 
             env = child_env(Path(spec["work"]))
         self.what = f"the {spec['kind']} child"
@@ -458,7 +458,7 @@ class _Child:
             [
                 python or sys.executable,
                 "-m",
-                "fastload.bench.scale_bench",
+                "fastload.bench.scale.scale_bench",
                 "child",
                 json.dumps(spec),
             ],
@@ -651,7 +651,7 @@ def _scaled_index(
 
 def _peers_python() -> tuple[str | None, dict[str, str]]:
     """The peers' Python and, per peer, why it is skipped (nothing when it imports)."""
-    from fastload.bench.e2e_process import default_peers_python
+    from fastload.bench.e2e.e2e_process import default_peers_python
 
     python = default_peers_python()
     if python is None:
@@ -1257,7 +1257,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if len(args) == 2 and args[0] == "child":
         child_main(json.loads(args[1]))
         return
-    raise SystemExit("usage: python -m fastload.bench.scale_bench child SPEC (the parent's)")
+    raise SystemExit("usage: python -m fastload.bench.scale.scale_bench child SPEC (the parent's)")
 
 
 if __name__ == "__main__":

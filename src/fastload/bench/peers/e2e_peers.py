@@ -3,7 +3,7 @@
 Each is an :data:`Opener`: ``(spec, saved state or None) -> Loader``, a loader whose
 ``batches(epoch)`` yields, for each batch, what identifies its samples (a list; the
 loader's ``delivers`` says what it holds: sample ids, or labels where the system's batches
-carry nothing else), or only its sample count. :mod:`fastload.bench.e2e_child` runs one of
+carry nothing else), or only its sample count. :mod:`fastload.bench.e2e.e2e_child` runs one of
 them in a process of its own and measures it (the resume check compares those lists).
 
 The peers decode as their users do without torchvision: simplejpeg, then torch ops for
@@ -11,7 +11,7 @@ RandomResizedCrop + flip + normalize (``decode_bench.TorchOps``; the fastest non
 CPU path of the decode benchmark), in ``workers`` DataLoader processes. The peer libraries
 are imported here only, when their system runs (mosaicml-streaming, litdata and Hugging
 Face ``datasets`` live in ``.venv-peers``). The Parquet layout's peers are
-:mod:`fastload.bench.parquet_peers`' (shared with the Parquet component benchmark), read
+:mod:`fastload.bench.peers.parquet_peers`' (shared with the Parquet component benchmark), read
 from the S3 URL here.
 """
 
@@ -38,8 +38,8 @@ import numpy.typing as npt
 import torch
 import torch.utils.data as tud
 
-from fastload.bench import parquet_peers
-from fastload.bench.decode_bench import TorchOps, dali_train_ops
+from fastload.bench.components.decode_bench import TorchOps, dali_train_ops
+from fastload.bench.peers import parquet_peers
 from fastload.decode.cpu import decode_rgb
 from fastload.decode.params import TrainPreset
 
@@ -472,7 +472,7 @@ def _arrow_peer(decoder: str) -> Opener:
     """torch's DataLoader over ``pyarrow.dataset``: the whole table read from the URL once,
     at open (pyarrow's own S3 client; the cold epoch includes it), in this process, so each
     epoch's forked workers share it; a batch's rows per ``__getitems__``, decoded with
-    ``decoder`` (:func:`fastload.bench.parquet_peers.decoder`)."""
+    ``decoder`` (:func:`fastload.bench.peers.parquet_peers.decoder`)."""
 
     def open_loader(spec: RunSpec, state: Any) -> Loader:
         if spec.layout != "parquet":
@@ -502,7 +502,7 @@ def _hf_peer(streaming: bool) -> Opener:
     ``collate_fn`` decodes: map-style (``load_dataset`` downloads and converts to Arrow
     files in the run's cache, in the cold epoch; shuffled), or ``streaming=True`` (every
     epoch from the remote, the files split between the workers; unshuffled, its best case:
-    see :func:`fastload.bench.parquet_peers.hf_dataset`)."""
+    see :func:`fastload.bench.peers.parquet_peers.hf_dataset`)."""
 
     def open_loader(spec: RunSpec, state: Any) -> Loader:
         if spec.layout != "parquet":
@@ -537,7 +537,7 @@ class _DALILoader:
     files only): ``readers.file`` for the folder, ``readers.webdataset`` for tar shards,
     ``decoders.image_random_crop`` + ``resize`` + ``crop_mirror_normalize``. Its
     checkpointing gives the resume figure. ``download(spec, local)`` makes the copy (by
-    default fsspec's ``get``; :mod:`fastload.bench.e2e_s3_peers` passes s5cmd's)."""
+    default fsspec's ``get``; :mod:`fastload.bench.peers.e2e_s3_peers` passes s5cmd's)."""
 
     def __init__(
         self, spec: RunSpec, state: Any, download: Callable[[RunSpec, str], None] | None = None
@@ -749,11 +749,11 @@ def _aws_env(spec: RunSpec) -> dict[str, str]:
 
 
 def _s3_peer(name: str) -> Opener:
-    """An opener of :mod:`fastload.bench.e2e_s3_peers` (s3torchconnector, s5cmd + DALI),
+    """An opener of :mod:`fastload.bench.peers.e2e_s3_peers` (s3torchconnector, s5cmd + DALI),
     imported when it runs."""
 
     def open_loader(spec: RunSpec, state: Any) -> Loader:
-        module = importlib.import_module("fastload.bench.e2e_s3_peers")
+        module = importlib.import_module("fastload.bench.peers.e2e_s3_peers")
         loader: Loader = getattr(module, name)(spec, state)
         return loader
 
@@ -769,8 +769,8 @@ IMPORTS: dict[str, tuple[str, ...]] = {
     "DALI reader + CPU pipeline": ("fsspec", "s3fs", "nvidia.dali"),
     "mosaicml-streaming": ("streaming",),
     "litdata": ("litdata", "litdata.streaming.downloader"),
-    "s3torchconnector": ("fastload.bench.e2e_s3_peers", "s3torchconnector"),
-    "s5cmd + DALI reader + CPU pipeline": ("fastload.bench.e2e_s3_peers", "nvidia.dali"),
+    "s3torchconnector": ("fastload.bench.peers.e2e_s3_peers", "s3torchconnector"),
+    "s5cmd + DALI reader + CPU pipeline": ("fastload.bench.peers.e2e_s3_peers", "nvidia.dali"),
     parquet_peers.ARROW_SIMPLEJPEG: ("pyarrow", "pyarrow.dataset", "pyarrow.fs"),
     parquet_peers.ARROW_FASTLOAD_DECODER: ("pyarrow", "pyarrow.dataset", "pyarrow.fs"),
     parquet_peers.HF_MAP: ("datasets", "pyarrow", "fsspec", "s3fs"),

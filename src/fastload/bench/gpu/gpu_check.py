@@ -5,7 +5,7 @@ Command (needs no network; under 5 minutes on one H200 with 16 cores; ``--quick`
 smoke run of a minute or so)::
 
     benchmarks/gpu_check.sh [--quick] [--out DIR]
-    .venv/bin/python -m fastload.bench.gpu_check [--quick] [--out DIR]   # the same, directly
+    .venv/bin/python -m fastload.bench.gpu.gpu_check [--quick] [--out DIR]   # the same, directly
 
 It generates its own JPEGs (``files`` of them, like ``decode_bench``'s: 400-500 x 350-500 px,
 quality 90, ImageFolder layout) under ``DIR/data`` and keeps them, writes
@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastload.bench.decode_bench import dali_train_ops
+from fastload.bench.components.decode_bench import dali_train_ops
 from fastload.bench.runner import Measurement, Report, machine_info, measure, relate
 from fastload.decode.base import DecodeConfig
 from fastload.decode.params import TrainPreset
@@ -177,7 +177,7 @@ def image_path(data_dir: Path, i: int) -> Path:
 def _make_jpeg(path: Path, i: int) -> None:
     from PIL import Image
 
-    from fastload.bench.decode_bench import natural_image
+    from fastload.bench.components.decode_bench import natural_image
 
     rng = np.random.default_rng([i, 105])  # decode_bench's recipe: the same image i
     height, width = int(rng.integers(350, MAX_SIDE + 1)), int(rng.integers(400, MAX_SIDE + 1))
