@@ -344,8 +344,8 @@ def _bench_scale(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from fastload.bench.doctor_data import builtin_remote
     from fastload.diagnosis import doctor, render
-    from fastload.diagnosis.builtin import builtin_remote
     from fastload.diagnosis.prices import UnknownGPUError
 
     out = Path(args.out)
