@@ -14,7 +14,7 @@ import pytest
 
 from fastload.bench import runner
 from fastload.bench.components import loader_bench
-from fastload.bench.components.loader_bench import FASTLOAD, SYSTEMS, LoaderBenchConfig
+from fastload.bench.components.loader_bench_setup import FASTLOAD, SYSTEMS, LoaderBenchConfig
 
 TINY = LoaderBenchConfig(
     batch_size=16,
