@@ -18,16 +18,16 @@ import numpy as np
 import numpy.typing as npt
 
 from fastload.bench.components.decode_bench import dali_train_ops
-from fastload.bench.peers.spec import LABELS, Delivered, RunSpec, _preset, _remote
+from fastload.bench.peers.spec import LABELS, Delivered, RunSpec, remote_fs, train_preset
 
 
 def fsspec_download(spec: RunSpec, local: str) -> None:
     """The layout's files into the folder ``local`` with fsspec's ``get``."""
-    fs, root = _remote(spec)
+    fs, root = remote_fs(spec)
     fs.get(root + "/", local + "/", recursive=True)
 
 
-class _DALILoader:
+class DALILoader:
     """DALI as its users write it, on the files after downloading them (DALI reads local
     files only): ``readers.file`` for the folder, ``readers.webdataset`` for tar shards,
     ``decoders.image_random_crop`` + ``resize`` + ``crop_mirror_normalize``. Its
@@ -47,7 +47,7 @@ class _DALILoader:
             self.extra["download_s"] = time.perf_counter() - start
         dali: Any = importlib.import_module("nvidia.dali")
         fn = dali.fn
-        preset = _preset(spec)
+        preset = train_preset(spec)
         if spec.layout == "folder":
             files = sorted(glob.glob(os.path.join(local, "*", "*.jpg")))
         elif spec.layout == "tar":

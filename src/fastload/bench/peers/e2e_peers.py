@@ -27,8 +27,8 @@ import time
 from typing import Any
 
 from fastload.bench.peers import e2e_s3_peers, parquet_peers
-from fastload.bench.peers.dali_peer import _DALILoader
-from fastload.bench.peers.fastload_peer import _FastloadLoader
+from fastload.bench.peers.dali_peer import DALILoader
+from fastload.bench.peers.fastload_peer import FastloadLoader
 from fastload.bench.peers.spec import (
     LABELS_IN_ORDER,
     SAMPLE_IDS,
@@ -36,10 +36,10 @@ from fastload.bench.peers.spec import (
     Loader,
     Opener,
     RunSpec,
-    _mkdir,
+    ensure_dir,
 )
-from fastload.bench.peers.streaming_peers import _litdata, _mosaic
-from fastload.bench.peers.torch_peers import _open_read, _torch_peer, _TorchLoader, get_object
+from fastload.bench.peers.streaming_peers import open_litdata, open_mosaic
+from fastload.bench.peers.torch_peers import TorchLoader, _open_read, get_object, torch_peer
 
 
 def _arrow_peer(decoder: str) -> Opener:
@@ -63,7 +63,7 @@ def _arrow_peer(decoder: str) -> Opener:
             storage_options=spec.storage_options,
             with_ids=True,  # each sample's row index
         ).load()
-        loader = _TorchLoader(rows, spec, map_style=True)
+        loader = TorchLoader(rows, spec, map_style=True)
         loader.extra["table_read_s"] = time.perf_counter() - start
         return loader
 
@@ -84,12 +84,12 @@ def _hf_peer(streaming: bool) -> Opener:
         ds, seconds = parquet_peers.hf_dataset(
             spec.url.rstrip("/") + "/*.parquet",
             streaming=streaming,
-            cache_dir=_mkdir(os.path.join(spec.work_dir, "hf-cache")),
+            cache_dir=ensure_dir(os.path.join(spec.work_dir, "hf-cache")),
             storage_options=spec.storage_options,
         )
         collate = parquet_peers.DecodeRows(spec.size, spec.seed, with_ids=True)
         samples = spec.samples if streaming else None
-        loader = _TorchLoader(ds, spec, not streaming, collate_fn=collate, samples=samples)
+        loader = TorchLoader(ds, spec, not streaming, collate_fn=collate, samples=samples)
         if not streaming:
             loader.extra["load_dataset_s"] = seconds
         return loader
@@ -116,14 +116,14 @@ IMPORTS: dict[str, tuple[str, ...]] = {
 LAYOUT_IMPORTS: dict[str, tuple[str, ...]] = {"parquet": ("pyarrow", "pyarrow.parquet")}
 
 SYSTEMS: dict[str, Opener] = {
-    "fastload": _FastloadLoader,
-    "torch DataLoader + fsspec": _torch_peer(cached=False, read=get_object),
+    "fastload": FastloadLoader,
+    "torch DataLoader + fsspec": torch_peer(cached=False, read=get_object),
     # The folder read as first written: fs.open(path).read(), a HEAD before each GET.
-    "torch DataLoader + fsspec (fs.open)": _torch_peer(cached=False, read=_open_read),
-    "torch DataLoader + fsspec filecache::": _torch_peer(cached=True),
-    "DALI reader + CPU pipeline": _DALILoader,
-    "mosaicml-streaming": _mosaic,
-    "litdata": _litdata,
+    "torch DataLoader + fsspec (fs.open)": torch_peer(cached=False, read=_open_read),
+    "torch DataLoader + fsspec filecache::": torch_peer(cached=True),
+    "DALI reader + CPU pipeline": DALILoader,
+    "mosaicml-streaming": open_mosaic,
+    "litdata": open_litdata,
     "s3torchconnector": e2e_s3_peers.open_s3torchconnector,
     "s5cmd + DALI reader + CPU pipeline": e2e_s3_peers.open_s5cmd_dali,
     parquet_peers.ARROW_SIMPLEJPEG: _arrow_peer("simplejpeg"),

@@ -11,17 +11,17 @@ import numpy as np
 import torch
 
 from fastload.bench.components.decode_bench import TorchOps
-from fastload.bench.peers.spec import LABELS_IN_ORDER, Delivered, RunSpec, _mkdir, _preset
+from fastload.bench.peers.spec import LABELS_IN_ORDER, Delivered, RunSpec, ensure_dir, train_preset
 from fastload.decode.params import TrainPreset
 
 
-class _FastloadLoader:
+class FastloadLoader:
     def __init__(self, spec: RunSpec, state: Any) -> None:
         import fastload as fl
 
         ds = fl.open_dataset(
             spec.url,
-            cache_dir=_mkdir(os.path.join(spec.work_dir, "cache")),
+            cache_dir=ensure_dir(os.path.join(spec.work_dir, "cache")),
             storage_options=spec.storage_options,
         )
         self.samples = len(ds)
@@ -31,11 +31,11 @@ class _FastloadLoader:
         # epoch), so the resume check compares the labels in order.
         self.delivers = LABELS_IN_ORDER
         self.stats: dict[str, Any] | None = None
-        options: dict[str, Any] = {"decode": "cpu", "transform": _preset(spec)}
+        options: dict[str, Any] = {"decode": "cpu", "transform": train_preset(spec)}
         if ds.format == "zarr":
             # fastload's decode takes encoded images; Zarr rows are pixels already, so the
             # train preset's torch ops run in collate_fn, on fastload's threads.
-            options = {"collate_fn": _PixelBatch(_preset(spec), spec.seed)}
+            options = {"collate_fn": _PixelBatch(train_preset(spec), spec.seed)}
         self.loader = fl.DataLoader(
             ds,
             batch_size=spec.batch_size,

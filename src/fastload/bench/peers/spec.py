@@ -68,11 +68,12 @@ class Loader(Protocol):
 Opener = Callable[[RunSpec, Any], Loader]  # (spec, saved state or None) -> loader
 
 
-def _preset(spec: RunSpec) -> TrainPreset:
+def train_preset(spec: RunSpec) -> TrainPreset:
+    """The train preset every system applies, at the run's size."""
     return TrainPreset(size=spec.size)
 
 
-def _remote(spec: RunSpec) -> tuple[Any, str]:
+def remote_fs(spec: RunSpec) -> tuple[Any, str]:
     """(fsspec filesystem, root path) of the layout's URL."""
     from fsspec.core import url_to_fs
 
@@ -80,12 +81,14 @@ def _remote(spec: RunSpec) -> tuple[Any, str]:
     return fs, str(root).rstrip("/")
 
 
-def _mkdir(path: str) -> str:
+def ensure_dir(path: str) -> str:
+    """``path``, made if missing: a run's cache or download folder."""
     os.makedirs(path, exist_ok=True)
     return path
 
 
-def _aws_env(spec: RunSpec) -> dict[str, str]:
+def aws_env(spec: RunSpec) -> dict[str, str]:
+    """AWS_* variables for peers that configure their own S3 client, from the run's options."""
     options = spec.storage_options
     env = {
         "AWS_ACCESS_KEY_ID": str(options.get("key", "")),

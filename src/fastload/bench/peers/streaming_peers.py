@@ -16,9 +16,9 @@ from fastload.bench.peers.spec import (
     Loader,
     RunSpec,
     Sample,
-    _aws_env,
-    _mkdir,
-    _preset,
+    aws_env,
+    ensure_dir,
+    train_preset,
 )
 from fastload.decode.cpu import decode_rgb
 
@@ -52,9 +52,9 @@ def _peer_loader(loader: Any, samples: int) -> Any:
     return PeerLoader()
 
 
-def _mosaic(spec: RunSpec, state: Any) -> Loader:
+def open_mosaic(spec: RunSpec, state: Any) -> Loader:
     streaming: Any = importlib.import_module("streaming")
-    ops = TorchOps(_preset(spec), spec.seed)
+    ops = TorchOps(train_preset(spec), spec.seed)
 
     class Images(streaming.StreamingDataset):  # type: ignore[misc]
         def __getitem__(self, i: int) -> Sample:
@@ -62,14 +62,14 @@ def _mosaic(spec: RunSpec, state: Any) -> Loader:
             return ops(decode_rgb(row["jpg"])), int(row["cls"]), int(i)
 
     # mosaicml-streaming reads S3 through boto3 configured from the environment only.
-    os.environ.update(_aws_env(spec))
+    os.environ.update(aws_env(spec))
     # Its documented set-up: stale shared memory of earlier runs cleared first; a local
     # cache folder of this run's own (never shared with another dataset or a previous
     # conversion), the per-device batch size, predownload at its default (8 batches).
     streaming.base.util.clean_stale_shared_memory()
     dataset = Images(
         remote=spec.url,
-        local=_mkdir(os.path.join(spec.work_dir, "cache")),
+        local=ensure_dir(os.path.join(spec.work_dir, "cache")),
         shuffle=True,
         shuffle_seed=spec.seed,
         batch_size=spec.batch_size,
@@ -95,7 +95,7 @@ def _mosaic(spec: RunSpec, state: Any) -> Loader:
     return _peer_loader(loader, len(dataset))  # type: ignore[no-any-return]
 
 
-def _litdata(spec: RunSpec, state: Any) -> Loader:
+def open_litdata(spec: RunSpec, state: Any) -> Loader:
     litdata: Any = importlib.import_module("litdata")
     downloader: Any = importlib.import_module("litdata.streaming.downloader")
     # litdata fetches chunks with obstore, which refuses plain http unless told; the
@@ -103,14 +103,14 @@ def _litdata(spec: RunSpec, state: Any) -> Loader:
     options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
     if isinstance(options, dict):
         downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": True}
-    ops = TorchOps(_preset(spec), spec.seed)
+    ops = TorchOps(train_preset(spec), spec.seed)
 
     class Images(litdata.StreamingDataset):  # type: ignore[misc]
         def __getitem__(self, i: Any) -> Sample:
             row = super().__getitem__(i)
             return ops(decode_rgb(row["jpg"])), int(row["cls"]), int(getattr(i, "index", i))
 
-    env = _aws_env(spec)
+    env = aws_env(spec)
     # batch_decode="all" (documented: deserialize a chunk's items together once it is
     # local). Its "auto" picks windows of ~16 MB for ~100 KB byte items, and a chunk that
     # two workers share (one straddling their split of the epoch: most of the 64 MB
@@ -118,7 +118,7 @@ def _litdata(spec: RunSpec, state: Any) -> Loader:
     # chunk file: ~4 ms of CPU per sample, 147 samples/s at 95% wait on 2 cores.
     dataset = Images(
         input_dir=spec.url,
-        cache_dir=_mkdir(os.path.join(spec.work_dir, "cache")),
+        cache_dir=ensure_dir(os.path.join(spec.work_dir, "cache")),
         shuffle=True,
         seed=spec.seed,
         batch_decode="all",

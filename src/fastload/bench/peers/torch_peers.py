@@ -27,9 +27,9 @@ from fastload.bench.peers.spec import (
     RawSample,
     RunSpec,
     Sample,
-    _mkdir,
-    _preset,
-    _remote,
+    ensure_dir,
+    remote_fs,
+    train_preset,
 )
 from fastload.decode.cpu import decode_rgb
 
@@ -58,7 +58,7 @@ def _filesystem(spec: RunSpec, cached: bool) -> Callable[[], Any]:
     def make() -> Any:
         import fsspec
 
-        fs, _ = _remote(spec)
+        fs, _ = remote_fs(spec)
         if not cached:
             return fs
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -66,7 +66,7 @@ def _filesystem(spec: RunSpec, cached: bool) -> Callable[[], Any]:
             "filecache",
             target_protocol=protocol,
             target_options=spec.storage_options,
-            cache_storage=_mkdir(os.path.join(spec.work_dir, "filecache")),
+            cache_storage=ensure_dir(os.path.join(spec.work_dir, "filecache")),
         )
 
     return make
@@ -107,7 +107,7 @@ class FolderFiles(tud.Dataset[Sample]):
     ) -> None:
         self.paths, self.labels = paths, labels
         self.fs = _PerProcess(_filesystem(spec, cached))
-        self.ops = TorchOps(_preset(spec), spec.seed)
+        self.ops = TorchOps(train_preset(spec), spec.seed)
         self.read = read
 
     def __len__(self) -> int:
@@ -125,7 +125,7 @@ class TarStream(tud.IterableDataset[Sample]):
     def __init__(self, spec: RunSpec, shards: list[str], samples: int, cached: bool) -> None:
         self.shards, self.samples = shards, samples
         self.fs = _PerProcess(_filesystem(spec, cached))
-        self.ops = TorchOps(_preset(spec), spec.seed)
+        self.ops = TorchOps(train_preset(spec), spec.seed)
         self.seed = spec.seed
         self.buffer = 4 * spec.batch_size
         self.epoch = 0  # set before each epoch's workers start
@@ -172,9 +172,9 @@ class ZarrRows(tud.Dataset[Sample]):
 
     def __init__(self, spec: RunSpec, rows: int, cached: bool) -> None:
         self.rows = rows
-        self.ops = TorchOps(_preset(spec), spec.seed)
+        self.ops = TorchOps(train_preset(spec), spec.seed)
         make_fs = _filesystem(spec, cached)
-        _, root = _remote(spec)
+        _, root = remote_fs(spec)
 
         def open_arrays() -> tuple[Any, npt.NDArray[np.int64]]:
             import zarr
@@ -226,7 +226,7 @@ def tar_samples(stream: Any) -> Iterator[RawSample]:
 
 
 def _zarr_rows(spec: RunSpec) -> int:
-    fs, root = _remote(spec)
+    fs, root = remote_fs(spec)
     for name, key in (("zarr.json", "shape"), (".zarray", "shape")):
         path = f"{root}/images/{name}"
         if fs.exists(path):
@@ -234,7 +234,7 @@ def _zarr_rows(spec: RunSpec) -> int:
     raise FileNotFoundError(f"no Zarr array 'images' under {spec.url}")
 
 
-class _TorchLoader:
+class TorchLoader:
     """torch's DataLoader with ``workers`` worker processes, started each epoch (torch's
     default; persistent workers would finish the batches in flight of an epoch cut at the
     time budget before starting the next one). ``samples``: an epoch's, where the dataset
@@ -290,15 +290,15 @@ def _stop_workers(iterator: Any) -> None:
         shutdown()
 
 
-def _torch_peer(cached: bool, read: Callable[[Any, str], bytes] = get_object) -> Opener:
+def torch_peer(cached: bool, read: Callable[[Any, str], bytes] = get_object) -> Opener:
     """torch's DataLoader over fsspec (``cached``: through ``filecache::``); folder files
     read with ``read(fs, path)``."""
 
     def open_loader(spec: RunSpec, state: Any) -> Loader:
-        fs, root = _remote(spec)
+        fs, root = remote_fs(spec)
         if spec.layout == "folder":
             paths = sorted(p for p in fs.find(root) if p.lower().endswith(IMAGE_SUFFIXES))
-            labels = _folder_labels(spec, [p[len(root) + 1 :] for p in paths])
+            labels = folder_labels(spec, [p[len(root) + 1 :] for p in paths])
             data: tud.Dataset[Sample]
             data = FolderFiles(spec, paths, labels, cached, read)
         elif spec.layout == "tar":
@@ -308,12 +308,12 @@ def _torch_peer(cached: bool, read: Callable[[Any, str], bytes] = get_object) ->
             data = ZarrRows(spec, _zarr_rows(spec), cached)
         else:
             raise ValueError(f"torch peers read folder, tar or zarr, not {spec.layout!r}")
-        return _TorchLoader(data, spec, map_style=spec.layout != "tar")
+        return TorchLoader(data, spec, map_style=spec.layout != "tar")
 
     return open_loader
 
 
-def _folder_labels(spec: RunSpec, keys: list[str]) -> list[int]:
+def folder_labels(spec: RunSpec, keys: list[str]) -> list[int]:
     """Class index of each key: torchvision's ImageFolder order (sorted class folders)."""
     classes = spec.labels or {c: i for i, c in enumerate(sorted({k.split("/")[0] for k in keys}))}
     return [classes[k.split("/")[0]] for k in keys]

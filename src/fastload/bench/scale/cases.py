@@ -1,6 +1,6 @@
 """The scale benchmark's cases (first and cached open, N processes, first batch, workers'
 memory, node share, fastload's own index, the peers' index load, planning an epoch), each
-adding its rows and figures to a :class:`_Case`."""
+adding its rows and figures to a :class:`Case`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastload.bench.runner import Measurement, cpu_seconds, measure, relate
-from fastload.bench.scale.child import _cpu_s
+from fastload.bench.scale.child import process_cpu_s
 from fastload.bench.scale.config import (
     CACHED_OPEN,
     FIRST_BATCH,
@@ -26,11 +26,11 @@ from fastload.bench.scale.config import (
     WORKERS,
     ScaleBenchConfig,
 )
-from fastload.bench.scale.data import _WARMUP
-from fastload.bench.scale.process import _run_children
+from fastload.bench.scale.data import WARMUP_SUFFIX
+from fastload.bench.scale.process import run_children
 
 
-class _Scratch:
+class Scratch:
     """Fresh cache folders under one root, each emptied before use."""
 
     def __init__(self, root: Path) -> None:
@@ -53,7 +53,7 @@ def _spec(
         "storage_options": server.storage_options,
         "batch_size": config.batch_size,
         "workers": config.workers,
-        "warmup_url": f"s3://{bucket}{_WARMUP}",
+        "warmup_url": f"s3://{bucket}{WARMUP_SUFFIX}",
         "warmup_cache": str(cache.parent / "warmup"),
         **more,
     }
@@ -74,7 +74,7 @@ def _shared_copy_bytes(cache: Path) -> int:
     return sum(p.stat().st_size for p in (cache / "manifests").glob("*") if p.is_file())
 
 
-# The table's extra columns, by the keyword that _Case.add takes for each.
+# The table's extra columns, by the keyword that Case.add takes for each.
 _COLUMNS = {
     "cpu_us": "CPU us/obj",
     "server_cpu_s": "server CPU s",
@@ -89,7 +89,7 @@ _COLUMNS = {
 }
 
 
-class _Case:
+class Case:
     """Rows of one dataset's case and the figures its targets read."""
 
     def __init__(self, name: str, samples: int) -> None:
@@ -120,17 +120,17 @@ class _Case:
         )
 
 
-def _open_cases(
-    case: _Case,
+def open_cases(
+    case: Case,
     server: Any,
     bucket: str,
-    scratch: _Scratch,
+    scratch: Scratch,
     config: ScaleBenchConfig,
     objects: int,
 ) -> Path:
     """First open, cached opens, N processes; returns the cache with a warm manifest."""
     cache = scratch.fresh(f"{bucket}-open")
-    first = _run_children(server, [_spec(server, bucket, cache, config)])
+    first = run_children(server, [_spec(server, bucket, cache, config)])
     result = first.results[0]
     if result["samples"] != case.samples:
         raise RuntimeError(f"{bucket}: opened {result['samples']} samples, not {case.samples}")
@@ -151,7 +151,7 @@ def _open_cases(
         note=f"{objects:,} objects listed; heap {_gained(result, first.ready[0], 'anon')}",
     )
     cached = [
-        _run_children(server, [_spec(server, bucket, cache, config)]) for _ in range(config.repeats)
+        run_children(server, [_spec(server, bucket, cache, config)]) for _ in range(config.repeats)
     ]
     results = [run.results[0] for run in cached]
     uss = statistics.median(
@@ -173,15 +173,15 @@ def _open_cases(
         note=f"unpickled in {1e3 * statistics.median(r['unpickle_s'] for r in results):.1f} ms",
     )
     if config.processes:
-        _node_cases(case, server, bucket, scratch, config, warm_cache=cache)
+        node_cases(case, server, bucket, scratch, config, warm_cache=cache)
     return cache
 
 
-def _node_cases(
-    case: _Case,
+def node_cases(
+    case: Case,
     server: Any,
     bucket: str,
-    scratch: _Scratch,
+    scratch: Scratch,
     config: ScaleBenchConfig,
     *,
     warm_cache: Path,
@@ -191,7 +191,7 @@ def _node_cases(
         ("empty cache", scratch.fresh(f"{bucket}-node")),
         ("manifest cached", warm_cache),
     ):
-        run = _run_children(server, [_spec(server, bucket, cache, config)] * n)
+        run = run_children(server, [_spec(server, bucket, cache, config)] * n)
         pss = sum(d["pss"] - r["pss"] for d, r in zip(run.done, run.ready, strict=True))
         uss = max(_uss_per_sample(res, r) for res, r in zip(run.results, run.ready, strict=True))
         shared = _shared_copy_bytes(cache)
@@ -211,8 +211,8 @@ def _node_cases(
         )
 
 
-def _first_batch_case(
-    case: _Case,
+def first_batch_case(
+    case: Case,
     server: Any,
     bucket: str,
     cache: Path,
@@ -222,7 +222,7 @@ def _first_batch_case(
     figure: str = "first_batch_s",
 ) -> None:
     """A fresh process, manifest cached, objects not: open, then the first batch."""
-    run = _run_children(server, [_spec(server, bucket, cache, config, loader=True)])
+    run = run_children(server, [_spec(server, bucket, cache, config, loader=True)])
     result = run.results[0]
     if result["batch_samples"] != config.batch_size:
         raise RuntimeError(f"{bucket}: a first batch of {result['batch_samples']} samples")
@@ -239,10 +239,10 @@ def _first_batch_case(
     )
 
 
-def _workers_case(
-    case: _Case, server: Any, bucket: str, cache: Path, config: ScaleBenchConfig
+def workers_case(
+    case: Case, server: Any, bucket: str, cache: Path, config: ScaleBenchConfig
 ) -> None:
-    run = _run_children(server, [_spec(server, bucket, cache, config, workers_memory=True)])
+    run = run_children(server, [_spec(server, bucket, cache, config, workers_memory=True)])
     workers = run.results[0]["workers"]
     small = statistics.median(w["uss"] for w in workers["small"])
     real = [w["uss"] for w in workers["dataset"]]
@@ -259,8 +259,8 @@ def _workers_case(
     )
 
 
-def _node_share_case(
-    case: _Case, server: Any, scratch: _Scratch, config: ScaleBenchConfig, layout: Any
+def node_share_case(
+    case: Case, server: Any, scratch: Scratch, config: ScaleBenchConfig, layout: Any
 ) -> None:
     cache = scratch.fresh("share")
     spec = _spec(
@@ -272,7 +272,7 @@ def _node_share_case(
         node_share=config.node_share,
         ranks_per_node=config.ranks_per_node,
     )
-    run = _run_children(server, [spec])
+    run = run_children(server, [spec])
     result = run.results[0]
     if result["failed"]:
         raise RuntimeError(f"the node share's warm failed on {result['failed']} objects")
@@ -303,8 +303,8 @@ def _node_share_case(
     shutil.rmtree(cache, ignore_errors=True)  # the shards: GBs at full size
 
 
-def _fastload_index_cases(
-    case: _Case, server: Any, scratch: _Scratch, config: ScaleBenchConfig
+def fastload_index_cases(
+    case: Case, server: Any, scratch: Scratch, config: ScaleBenchConfig
 ) -> None:
     """``fl.write_index`` into a fresh cache (the bucket is read-only: a file per shard),
     then a fresh process's open and first batch with that index."""
@@ -312,7 +312,7 @@ def _fastload_index_cases(
 
     cache = scratch.fresh(f"{TAR_BUCKET}-flidx")
     stats0, server0 = server.read_stats(), cpu_seconds([server.pid()])
-    start, cpu = time.perf_counter(), _cpu_s()
+    start, cpu = time.perf_counter(), process_cpu_s()
     report = fl.write_index(
         f"s3://{TAR_BUCKET}",
         cache_dir=str(cache),
@@ -320,7 +320,7 @@ def _fastload_index_cases(
         to="cache",
         progress=False,
     )
-    seconds, cpu_s = time.perf_counter() - start, _cpu_s() - cpu
+    seconds, cpu_s = time.perf_counter() - start, process_cpu_s() - cpu
     stats1, server1 = server.read_stats(), cpu_seconds([server.pid()])
     read = sum(stats1.body_bytes.values()) - sum(stats0.body_bytes.values())
     case.add(
@@ -332,7 +332,7 @@ def _fastload_index_cases(
         mb_fetched=read / 1e6,
         note=f"{report.shard_bytes / seconds / 1e6:,.0f} MB/s; CPU per sample",
     )
-    run = _run_children(server, [_spec(server, TAR_BUCKET, cache, config)])
+    run = run_children(server, [_spec(server, TAR_BUCKET, cache, config)])
     result = run.results[0]
     case.figures["cached_open_s_fastload_index"] = result["seconds"]
     case.figures["pickled_bytes_fastload_index"] = result["pickled_bytes"]
@@ -345,7 +345,7 @@ def _fastload_index_cases(
         uss=_uss_per_sample(result, run.ready[0]),
         pickled_kb=result["pickled_bytes"] / 1e3,
     )
-    _first_batch_case(
+    first_batch_case(
         case,
         server,
         TAR_BUCKET,
@@ -357,10 +357,10 @@ def _fastload_index_cases(
     shutil.rmtree(cache, ignore_errors=True)
 
 
-def _peer_cases(
-    case: _Case,
+def peer_cases(
+    case: Case,
     server: Any,
-    scratch: _Scratch,
+    scratch: Scratch,
     config: ScaleBenchConfig,
     python: str | None,
     skipped: dict[str, str],
@@ -379,11 +379,11 @@ def _peer_cases(
             "work": str(scratch.root),
             "storage_options": server.storage_options,
             "batch_size": config.batch_size,
-            "warmup_url": f"s3://{bucket}{_WARMUP}",
-            "warmup_cache": str(scratch.fresh(f"peer-{bucket}{_WARMUP}")),
+            "warmup_url": f"s3://{bucket}{WARMUP_SUFFIX}",
+            "warmup_cache": str(scratch.fresh(f"peer-{bucket}{WARMUP_SUFFIX}")),
         }
         try:
-            run = _run_children(server, [spec], python=python)
+            run = run_children(server, [spec], python=python)
         except RuntimeError as exc:
             case.add(name, [], items=0, note=f"failed: {exc}"[:300])
             continue
@@ -406,7 +406,7 @@ def _peer_cases(
         )
 
 
-def _plan_rows(case: _Case, shard_sizes: Any, config: ScaleBenchConfig) -> None:
+def plan_rows(case: Case, shard_sizes: Any, config: ScaleBenchConfig) -> None:
     """One rank's epoch (rank 0 of world_size), the plan built each time, beside
     DistributedSampler's global shuffle."""
     from torch.utils.data import DistributedSampler
@@ -443,7 +443,7 @@ def _plan_rows(case: _Case, shard_sizes: Any, config: ScaleBenchConfig) -> None:
     case.rows += relate(rows, PLAN_PEER)
 
 
-def _shard_sizes(server: Any, bucket: str, cache: Path) -> Any:
+def listed_shard_sizes(server: Any, bucket: str, cache: Path) -> Any:
     """The opened dataset's shard sizes (manifest cached: no request)."""
     from fastload.datasets import open_dataset
 

@@ -41,7 +41,7 @@ def rollup(pid: int | str = "self") -> dict[str, int]:
     }
 
 
-def _cpu_s() -> float:
+def process_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -80,7 +80,7 @@ def child_main(spec: dict[str, Any]) -> None:
     _wait("go")
     result: dict[str, Any] = {}
     if kind == "warm":
-        start, cpu = time.perf_counter(), _cpu_s()
+        start, cpu = time.perf_counter(), process_cpu_s()
         report = fl.warm(
             spec["url"],
             cache_dir=spec["cache"],
@@ -90,7 +90,7 @@ def child_main(spec: dict[str, Any]) -> None:
         )
         result = {
             "seconds": time.perf_counter() - start,
-            "cpu_s": _cpu_s() - cpu,
+            "cpu_s": process_cpu_s() - cpu,
             "fetched": report.fetched,
             "fetched_bytes": report.fetched_bytes,
             "failed": report.failed,
@@ -132,13 +132,13 @@ def _node_share(spec: dict[str, Any]) -> Any:
 def _open_child(spec: dict[str, Any], warmup: Any) -> dict[str, Any]:
     import fastload as fl
 
-    start, cpu = time.perf_counter(), _cpu_s()
+    start, cpu = time.perf_counter(), process_cpu_s()
     dataset = fl.open_dataset(
         spec["url"], cache_dir=spec["cache"], storage_options=spec["storage_options"]
     )
     result: dict[str, Any] = {
         "seconds": time.perf_counter() - start,
-        "cpu_s": _cpu_s() - cpu,
+        "cpu_s": process_cpu_s() - cpu,
         "opened": rollup(),
         "samples": len(dataset),
         "format": dataset.format,
@@ -159,7 +159,7 @@ def _open_child(spec: dict[str, Any], warmup: Any) -> dict[str, Any]:
 def _first_batch(dataset: Any, spec: dict[str, Any]) -> dict[str, Any]:
     import fastload as fl
 
-    start, cpu = time.perf_counter(), _cpu_s()
+    start, cpu = time.perf_counter(), process_cpu_s()
     loader = fl.DataLoader(
         dataset,
         batch_size=spec["batch_size"],
@@ -172,7 +172,7 @@ def _first_batch(dataset: Any, spec: dict[str, Any]) -> dict[str, Any]:
     batch = next(iteration)
     found = {
         "first_batch_s": time.perf_counter() - start,
-        "first_batch_cpu_s": _cpu_s() - cpu,
+        "first_batch_cpu_s": process_cpu_s() - cpu,
         "batch_samples": _batch_len(batch),
         "after_batch": rollup(),
     }
@@ -261,12 +261,12 @@ def _peer_child(spec: dict[str, Any]) -> None:
     gc.collect()
     _say({"ready": rollup()})
     _wait("go")
-    start, cpu = time.perf_counter(), _cpu_s()
+    start, cpu = time.perf_counter(), process_cpu_s()
     dataset = load(spec["url"], spec["cache"])
     samples = len(dataset)
     result: dict[str, Any] = {
         "seconds": time.perf_counter() - start,
-        "cpu_s": _cpu_s() - cpu,
+        "cpu_s": process_cpu_s() - cpu,
         "opened": rollup(),
         "samples": samples,
     }

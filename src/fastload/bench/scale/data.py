@@ -21,7 +21,7 @@ from fastload.bench.scale.config import (
 
 _PAYLOADS = 8
 # The small buckets each child opens first (bucket name + this).
-_WARMUP = "-warmup"
+WARMUP_SUFFIX = "-warmup"
 
 
 def layouts(config: ScaleBenchConfig) -> dict[str, Any]:
@@ -31,8 +31,8 @@ def layouts(config: ScaleBenchConfig) -> dict[str, Any]:
 
     small = random_payloads(2, 1000, seed=2)
     return {
-        f"{FOLDER_BUCKET}{_WARMUP}": ImageFolderLayout(objects=20, classes=2, payloads=small),
-        f"{TAR_BUCKET}{_WARMUP}": TarShardsLayout(
+        f"{FOLDER_BUCKET}{WARMUP_SUFFIX}": ImageFolderLayout(objects=20, classes=2, payloads=small),
+        f"{TAR_BUCKET}{WARMUP_SUFFIX}": TarShardsLayout(
             shards=2, samples_per_shard=10, payloads=small, shard_index=True
         ),
         FOLDER_BUCKET: ImageFolderLayout(
@@ -86,7 +86,7 @@ def peer_indexes(root: Path, config: ScaleBenchConfig, python: str) -> dict[str,
             continue
         template = json.loads((out / "index.json").read_text())
         bytes_per_shard = config.shard_samples * span
-        for name, shards in ((bucket, config.shards), (f"{bucket}{_WARMUP}", 1)):
+        for name, shards in ((bucket, config.shards), (f"{bucket}{WARMUP_SUFFIX}", 1)):
             index = _scaled_index(system, template, shards, config.shard_samples, bytes_per_shard)
             (root / name).mkdir(parents=True, exist_ok=True)
             (root / name / "index.json").write_text(json.dumps(index))
@@ -128,7 +128,7 @@ def _scaled_index(
     return index
 
 
-def _peers_python() -> tuple[str | None, dict[str, str]]:
+def peers_python() -> tuple[str | None, dict[str, str]]:
     """The peers' Python and, per peer, why it is skipped (nothing when it imports)."""
     from fastload.bench.e2e.e2e_process import default_peers_python
 
@@ -140,7 +140,7 @@ def _peers_python() -> tuple[str | None, dict[str, str]]:
 
 
 @contextmanager
-def _server(root: Path, config: ScaleBenchConfig) -> Iterator[Any]:
+def serve_buckets(root: Path, config: ScaleBenchConfig) -> Iterator[Any]:
     from fastload.testing import RemoteBehavior
     from fastload.testing.s3_folder import S3FolderProcess
 

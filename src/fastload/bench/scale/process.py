@@ -98,7 +98,7 @@ class _Run:
     body_bytes: dict[str, int]
 
 
-def _run_children(server: Any, specs: Sequence[dict[str, Any]], python: str | None = None) -> _Run:
+def run_children(server: Any, specs: Sequence[dict[str, Any]], python: str | None = None) -> _Run:
     children: list[_Child] = []
     try:
         children = [_Child(spec, python) for spec in specs]

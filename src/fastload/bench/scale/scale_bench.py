@@ -77,16 +77,16 @@ from typing import Any
 
 from fastload.bench.runner import Report
 from fastload.bench.scale.cases import (
-    _Case,
-    _fastload_index_cases,
-    _first_batch_case,
-    _node_share_case,
-    _open_cases,
-    _peer_cases,
-    _plan_rows,
-    _Scratch,
-    _shard_sizes,
-    _workers_case,
+    Case,
+    Scratch,
+    fastload_index_cases,
+    first_batch_case,
+    listed_shard_sizes,
+    node_share_case,
+    open_cases,
+    peer_cases,
+    plan_rows,
+    workers_case,
 )
 from fastload.bench.scale.child import child_main, rollup
 from fastload.bench.scale.config import (
@@ -102,8 +102,14 @@ from fastload.bench.scale.config import (
     WORKERS,
     ScaleBenchConfig,
 )
-from fastload.bench.scale.data import _peers_python, _scaled_index, _server, layouts, peer_indexes
-from fastload.bench.scale.targets import _targets, target_lines
+from fastload.bench.scale.data import (
+    _scaled_index,
+    layouts,
+    peer_indexes,
+    peers_python,
+    serve_buckets,
+)
+from fastload.bench.scale.targets import checked_targets, target_lines
 
 
 def run(data_dir: str | os.PathLike[str], config: ScaleBenchConfig | None = None) -> Report:
@@ -112,38 +118,38 @@ def run(data_dir: str | os.PathLike[str], config: ScaleBenchConfig | None = None
     root = data_dir / "remote"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    scratch = _Scratch(data_dir / "scratch")
-    python, skipped = _peers_python() if config.peers else (None, {})
+    scratch = Scratch(data_dir / "scratch")
+    python, skipped = peers_python() if config.peers else (None, {})
     if config.peers and python is not None:
         skipped.update(peer_indexes(root, config, python))
     found = layouts(config)
     tar_layout = found[TAR_BUCKET]
     ms = config.latency_s * 1e3
-    folder = _Case(
+    folder = Case(
         f"ImageFolder: {config.objects:,} objects in {config.classes:,} classes, "
         f"{ms:g} ms per request",
         config.objects,
     )
-    tar = _Case(
+    tar = Case(
         f"tar: {config.shards:,} shards of {tar_layout.shard_bytes / 1e6:.1f} MB, "
         f"{config.tar_samples:,} samples, shardindex.json",
         config.tar_samples,
     )
     with ExitStack() as stack:
-        server = stack.enter_context(_server(root, config))
-        cache = _open_cases(folder, server, FOLDER_BUCKET, scratch, config, config.objects)
-        _first_batch_case(folder, server, FOLDER_BUCKET, cache, config)
-        _workers_case(folder, server, FOLDER_BUCKET, cache, config)
-        _plan_rows(folder, _shard_sizes(server, FOLDER_BUCKET, cache), config)
+        server = stack.enter_context(serve_buckets(root, config))
+        cache = open_cases(folder, server, FOLDER_BUCKET, scratch, config, config.objects)
+        first_batch_case(folder, server, FOLDER_BUCKET, cache, config)
+        workers_case(folder, server, FOLDER_BUCKET, cache, config)
+        plan_rows(folder, listed_shard_sizes(server, FOLDER_BUCKET, cache), config)
         # The tar bucket lists config.shards + 1 objects.
-        cache = _open_cases(tar, server, TAR_BUCKET, scratch, config, config.shards + 1)
-        _first_batch_case(tar, server, TAR_BUCKET, cache, config)
-        _node_share_case(tar, server, scratch, config, tar_layout)
-        _plan_rows(tar, _shard_sizes(server, TAR_BUCKET, cache), config)
+        cache = open_cases(tar, server, TAR_BUCKET, scratch, config, config.shards + 1)
+        first_batch_case(tar, server, TAR_BUCKET, cache, config)
+        node_share_case(tar, server, scratch, config, tar_layout)
+        plan_rows(tar, listed_shard_sizes(server, TAR_BUCKET, cache), config)
         if config.fastload_index:
-            _fastload_index_cases(tar, server, scratch, config)
+            fastload_index_cases(tar, server, scratch, config)
         if config.peers:
-            _peer_cases(tar, server, scratch, config, python, skipped)
+            peer_cases(tar, server, scratch, config, python, skipped)
     shutil.rmtree(scratch.root, ignore_errors=True)
     params: dict[str, Any] = {
         **config.__dict__,
@@ -151,7 +157,7 @@ def run(data_dir: str | os.PathLike[str], config: ScaleBenchConfig | None = None
         "shard_bytes": tar_layout.shard_bytes,
         "server": "S3FolderProcess (synthetic buckets) in its own process",
         "figures": {"folder": folder.figures, "tar": tar.figures},
-        "targets": _targets(folder, tar, config),
+        "targets": checked_targets(folder, tar, config),
     }
     return Report(name="scale", rows=[*folder.rows, *tar.rows], params=params)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastload.bench.runner import Report
-from fastload.bench.scale.cases import _Case
+from fastload.bench.scale.cases import Case
 from fastload.bench.scale.config import (
     TARGET_CACHED_OPEN_S,
     TARGET_CPU_US_PER_OBJECT,
@@ -19,7 +19,7 @@ from fastload.bench.scale.config import (
 )
 
 
-def _targets(folder: _Case, tar: _Case, config: ScaleBenchConfig) -> list[dict[str, Any]]:
+def checked_targets(folder: Case, tar: Case, config: ScaleBenchConfig) -> list[dict[str, Any]]:
     """P11's targets against the figures: each {target, bound, measured, met}."""
     f, t = folder.figures, tar.figures
     rows: list[tuple[str, float | None, float, str]] = [
