@@ -333,7 +333,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"seconds": convert(argv[1], argv[2], argv[3], int(argv[4]))}))
         return 0
     print(
-        "usage: python -m fastload.bench.peers.e2e_peers run SPEC RESULT | "
+        "usage: python -m fastload.bench.e2e.e2e_child run SPEC RESULT | "
         "convert mds|litdata FOLDER OUT WORKERS",
         file=sys.stderr,
     )
