@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fastload.bench import budget_bench
+from fastload.bench.components import budget_bench
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ processes, median of 3)::
 
 Add ``--quick`` for 300 images. The JPEGs are generated once into ``--out``/data/decode and
 kept. Writes ``decode.json`` into ``--out`` and prints a table with each system's images/s
-as a ratio to ``torch DataLoader + Pillow``. See ``fastload.bench.decode_bench`` for what each
-system does.
+as a ratio to ``torch DataLoader + Pillow``. See ``fastload.bench.components.decode_bench``
+for what each system does.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fastload.bench import decode_bench
+from fastload.bench.components import decode_bench
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastload.bench import doctor_bench
+from fastload.bench.components import doctor_bench
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ mosaicml-streaming and litdata (and the Parquet layout's Hugging Face ``datasets
 when ``make bench-peers`` has built ``.venv-peers``. Writes ``e2e.json`` (every figure, the
 machine) and ``e2e.png`` into ``--out`` and prints the table, fastload's ratio to each peer
 and the targets it meets or misses. ``fastload bench`` runs the same; see
-``fastload.bench.e2e_bench``.
+``fastload.bench.e2e.e2e_bench``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from fastload.bench import e2e_bench, e2e_report
+from fastload.bench.e2e import e2e_bench, e2e_report
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ Add ``--quick`` for small sizes (under a minute; without the GIL-holding step un
 samples/s with the ratio to each case's torch DataLoader peer, the fraction of time the
 step waited for data (and what ``fl.DataLoader.stats()`` says), the same with the
 GIL-holding step and the share of its time the loader took from it, and the peak memory of
-each system's process tree, overall and per epoch. See ``fastload.bench.loader_bench`` for
-what each system does.
+each system's process tree, overall and per epoch. See
+``fastload.bench.components.loader_bench`` for what each system does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fastload.bench import loader_bench
+from fastload.bench.components import loader_bench
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ names another) and are reported as skipped, with the reason, where it does not i
 datasets. Data is generated once into ``--out``/data and kept. Writes ``parquet.json`` into
 ``--out`` and prints a table (images/s per system, the ratio to the best peer, fastload's
 cold epoch over its warm one, GETs per epoch) and issue 17's targets as met or missed.
-See ``fastload.bench.parquet_bench`` for what each system does.
+See ``fastload.bench.components.parquet_bench`` for what each system does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from fastload.bench import parquet_bench
+from fastload.bench.components import parquet_bench
 
 
 def main() -> None:

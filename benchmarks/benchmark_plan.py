@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastload.bench import plan_bench
+from fastload.bench.components import plan_bench
 
 
 def main() -> None:

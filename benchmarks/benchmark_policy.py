@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from fastload.bench import policy_bench
+from fastload.bench.components import policy_bench
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fastload.bench import read_bench
+from fastload.bench.components import read_bench
 
 
 def main() -> None:

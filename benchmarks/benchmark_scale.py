@@ -21,7 +21,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from fastload.bench import scale_bench
+from fastload.bench.scale import scale_bench
 
 
 def main() -> None:

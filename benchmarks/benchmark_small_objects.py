@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from fastload.bench import small_objects_bench
+from fastload.bench.components import small_objects_bench
 
 
 def main() -> None:

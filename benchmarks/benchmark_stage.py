@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from fastload.bench import stage_bench
+from fastload.bench.components import stage_bench
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from fastload.bench import zarr_bench
+from fastload.bench.components import zarr_bench
 
 
 def main() -> None:

@@ -12,7 +12,7 @@
 # Writes DIR/gpu_check.json and keeps its generated JPEGs in DIR/data. DIR defaults to
 # $OUT/gpu-check when $OUT is set, else fastload-bench/gpu-check in the repository; nothing is
 # written anywhere else. Exit status: 0 all measured, 1 a measurement failed (the rest are
-# still written), 2 no CUDA device or bad usage. See fastload/bench/gpu_check.py.
+# still written), 2 no CUDA device or bad usage. See fastload/bench/gpu/gpu_check.py.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,7 +68,7 @@ fi
 json="$out/gpu_check.json"
 rm -f "$json"
 status=0
-"$python" -m fastload.bench.gpu_check --out "$out" ${args[@]+"${args[@]}"} || status=$?
+"$python" -m fastload.bench.gpu.gpu_check --out "$out" ${args[@]+"${args[@]}"} || status=$?
 if [ -f "$json" ]; then
   echo "gpu_check.sh: results in $json"
 elif [ "$status" -eq 0 ]; then

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fastload.bench import read_bench
+from fastload.bench.components import read_bench
 from fastload.bench.runner import Measurement, Report, TrainingStep, measure, relate, step_lost
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fastload.bench import budget_bench as bench
+from fastload.bench.components import budget_bench as bench
 
 
 def test_every_system_reads_every_steady_epoch_and_pin_fetches_half(tmp_path: Path) -> None:

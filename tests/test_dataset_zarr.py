@@ -16,7 +16,7 @@ import pytest
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, TransposeCodec, ZstdCodec
 
-from fastload.bench import zarr_bench
+from fastload.bench.components import zarr_bench
 from fastload.datasets import DatasetError, open_dataset
 from fastload.datasets import zarr as fzarr
 from fastload.datasets.zarr import ZarrDataset

@@ -581,7 +581,7 @@ def test_cuda_device_matches_the_cpu_path(photos: list[bytes]) -> None:
 
 
 def test_decode_bench_runs_at_toy_size(tmp_path: Path) -> None:
-    from fastload.bench import decode_bench
+    from fastload.bench.components import decode_bench
 
     systems = ("fastload CPU", "simplejpeg + torch ops, plain loop")
     config = decode_bench.DecodeBenchConfig(
@@ -603,7 +603,7 @@ def test_decode_bench_runs_at_toy_size(tmp_path: Path) -> None:
 
 
 def test_the_benchmark_peers_torch_ops_match_the_references(photos: list[bytes]) -> None:
-    from fastload.bench.decode_bench import TorchOps
+    from fastload.bench.components.decode_bench import TorchOps
 
     rgb = pillow_rgb(photos[3])
     got = TorchOps(EvalPreset())(rgb)

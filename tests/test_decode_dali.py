@@ -502,7 +502,7 @@ def test_gpu_pipeline_matches_the_cpu_pipeline(images) -> None:
 
 
 def test_decode_benchmark_runs_the_dali_peers(tmp_path: Path) -> None:
-    from fastload.bench import decode_bench
+    from fastload.bench.components import decode_bench
 
     peers = ("fastload DALI backend, CPU graph", "DALI's own CPU pipeline")
     config = decode_bench.DecodeBenchConfig(

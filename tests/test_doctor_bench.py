@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastload.bench import doctor_bench as bench
+from fastload.bench.components import doctor_bench as bench
 
 pytest.importorskip("s3fs")
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastload.bench import e2e_bench, e2e_peers, e2e_report
-from fastload.bench.e2e_data import (
+from fastload.bench.e2e import e2e_bench, e2e_report
+from fastload.bench.e2e.e2e_data import (
     DataConfig,
     folder_key,
     generate,
@@ -24,6 +24,7 @@ from fastload.bench.e2e_data import (
     with_parquet,
     zarr_pixels,
 )
+from fastload.bench.peers import e2e_peers
 from fastload.bench.runner import TrainingStep
 
 TINY = DataConfig(
@@ -238,7 +239,7 @@ def test_the_parquet_layout_runs_fastload_and_its_peers(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_datasets_peers_read_the_parquet_layout_from_s3(tmp_path: Path) -> None:
     """Where .venv-peers has Hugging Face datasets (`make bench-peers`; not in CI)."""
-    from fastload.bench.e2e_process import default_peers_python, probe_python
+    from fastload.bench.e2e.e2e_process import default_peers_python, probe_python
 
     python = default_peers_python()
     if python is None or not probe_python(python, ["datasets"], tmp_path).get("datasets"):
@@ -320,7 +321,7 @@ def test_every_system_runs_with_the_sleeping_and_the_gil_holding_step(tmp_path: 
 def test_an_epoch_counts_what_its_steps_took_and_waited() -> None:
     """Each epoch of the child records its steps' wall time and the part of it in which
     the step could not run; the report makes the share lost of them."""
-    from fastload.bench import e2e_child
+    from fastload.bench.e2e import e2e_child
 
     loader = FakeLoader(None, "", e2e_peers.SAMPLE_IDS)
     step = TrainingStep("gil", 0.002)
@@ -485,7 +486,7 @@ class FakeLoader:
 def test_the_resume_check_compares_what_was_delivered_with_an_uninterrupted_epoch(
     fault: str, delivers: str, exact: bool
 ) -> None:
-    from fastload.bench import e2e_child
+    from fastload.bench.e2e import e2e_child
 
     spec = _spec()
     loader = FakeLoader(None, fault, delivers)
@@ -561,7 +562,7 @@ def test_a_runs_spec_with_credentials_does_not_outlive_its_child(tmp_path: Path)
     the spec lacks fields, as a crash would leave it)."""
     import sys
 
-    from fastload.bench.e2e_process import run_child
+    from fastload.bench.e2e.e2e_process import run_child
 
     secret = "s3cr3t-FASTLOAD-bench-spec"
     spec = {"system": "fastload", "layout": "folder", "storage_options": {"secret": secret}}

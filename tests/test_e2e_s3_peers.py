@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from fastload.bench import e2e_bench, e2e_s3_peers
-from fastload.bench.e2e_data import DataConfig, GeneratedData, generate, label_of
-from fastload.bench.e2e_peers import RunSpec
+from fastload.bench.e2e import e2e_bench
+from fastload.bench.e2e.e2e_data import DataConfig, GeneratedData, generate, label_of
+from fastload.bench.peers import e2e_s3_peers
+from fastload.bench.peers.e2e_peers import RunSpec
 from fastload.testing import S3FolderServer
 
 TINY = DataConfig(samples=24, classes=3, shard_samples=8, zarr_side=32, zarr_chunk_rows=4)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastload.bench import gpu_check
-from fastload.bench.gpu_check import GpuCheckConfig, Outcome, ring_feed
+from fastload.bench.gpu import gpu_check
+from fastload.bench.gpu.config import GpuCheckConfig, Outcome
+from fastload.bench.gpu.transfer import ring_feed
 from fastload.bench.runner import Measurement, Report
 from fastload.decode.cpu import decode_rgb
 from fastload.loader.ring import DeviceRing

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fastload.bench import loader_bench, runner
-from fastload.bench.loader_bench import FASTLOAD, SYSTEMS, LoaderBenchConfig
+from fastload.bench import runner
+from fastload.bench.components import loader_bench
+from fastload.bench.components.loader_bench_setup import FASTLOAD, SYSTEMS, LoaderBenchConfig
 
 TINY = LoaderBenchConfig(
     batch_size=16,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastload.bench import parquet_bench
+from fastload.bench.components import parquet_bench
 from fastload.bench.runner import Report
 
 TINY = parquet_bench.ParquetBenchConfig(

@@ -541,7 +541,7 @@ def test_drop_last_with_more_ranks_than_samples_gives_everyone_nothing() -> None
 
 
 def test_plan_benchmark_measures_every_case_at_toy_size() -> None:
-    from fastload.bench import plan_bench
+    from fastload.bench.components import plan_bench
 
     config = plan_bench.PlanBenchConfig(
         num_shards=40, shard_samples=10, world_size=4, window_shards=2, resume_samples=200

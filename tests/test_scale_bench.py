@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fastload import cli
-from fastload.bench import scale_bench as bench
 from fastload.bench.runner import Measurement, Report
+from fastload.bench.scale import scale_bench as bench
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fastload.bench import small_objects_bench as bench
+from fastload.bench.components import small_objects_bench as bench
 
 
 @pytest.mark.slow

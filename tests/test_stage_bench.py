@@ -10,7 +10,7 @@ import pytest
 from test_loader_bench import TINY
 
 from fastload import cli
-from fastload.bench import (
+from fastload.bench.components import (
     decode_bench,
     loader_bench,
     parquet_bench,

@@ -34,7 +34,7 @@ from fastload.remote import scrub
 DEFAULT_DOCTOR_STEP_MS = 20.0
 
 if TYPE_CHECKING:
-    from fastload.bench.e2e_bench import E2EConfig
+    from fastload.bench.e2e.e2e_bench import E2EConfig
     from fastload.bench.runner import Report
 
 _SIZE_UNITS = {
@@ -236,7 +236,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.url is not None:
             raise UsageError("--components and --scale run on generated data; leave out the URL")
         return _bench_scale(args) if args.scale else _bench_components(args)
-    from fastload.bench import e2e_bench, e2e_report
+    from fastload.bench.e2e import e2e_bench, e2e_report
 
     config = bench_config(args)
     out = Path(args.out)
@@ -253,7 +253,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def bench_config(args: argparse.Namespace) -> E2EConfig:
     """The end-to-end benchmark's configuration from ``fastload bench``'s arguments."""
-    from fastload.bench import e2e_bench
+    from fastload.bench.e2e import e2e_bench
 
     config = e2e_bench.E2EConfig.quick() if args.quick else e2e_bench.E2EConfig()
     changes: dict[str, Any] = {
@@ -275,7 +275,7 @@ def bench_config(args: argparse.Namespace) -> E2EConfig:
 
 
 def _bench_components(args: argparse.Namespace) -> int:
-    from fastload.bench import (
+    from fastload.bench.components import (
         decode_bench,
         loader_bench,
         parquet_bench,
@@ -331,7 +331,7 @@ def _bench_components(args: argparse.Namespace) -> int:
 
 
 def _bench_scale(args: argparse.Namespace) -> int:
-    from fastload.bench import scale_bench
+    from fastload.bench.scale import scale_bench
 
     config = scale_bench.ScaleBenchConfig.quick() if args.quick else scale_bench.ScaleBenchConfig()
     out = Path(args.out)
@@ -344,8 +344,8 @@ def _bench_scale(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from fastload.bench.doctor_data import builtin_remote
     from fastload.diagnosis import doctor, render
-    from fastload.diagnosis.builtin import builtin_remote
     from fastload.diagnosis.prices import UnknownGPUError
 
     out = Path(args.out)

@@ -16,6 +16,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from fastload.diagnosis.steps import busy_loop
+
 
 @dataclass(frozen=True, kw_only=True)
 class Measurement:
@@ -96,16 +98,6 @@ def pss_bytes(pid: int) -> int:
 
 STEP_KINDS = ("sleep", "gil")
 STEP_NAMES = {"sleep": "sleeping step", "gil": "GIL-holding step"}
-
-
-def busy_loop(iterations: int) -> int:
-    """Small pure-Python arithmetic, ``iterations`` times: it holds the GIL throughout, as a
-    real training step's kernel dispatch, optimizer and logging do, giving it up only when
-    the interpreter's switch interval forces a hand-off to a thread that asks for it."""
-    total = 0
-    for i in range(iterations):
-        total += i & 7
-    return total
 
 
 def busy_rate(*, seconds: float = 0.05, repeats: int = 5) -> float:

@@ -17,7 +17,7 @@ it in the error. The Python path, per sample, on a worker thread:
 3. crop (a slice), resize to the output size with ``interpolate(mode="bilinear",
    antialias=True)``, flip, normalize into the batch's row, on ``config.device``.
 
-Choices, each measured on a 2-core VM (see ``fastload.bench.decode_bench``):
+Choices, each measured on a 2-core VM (see ``fastload.bench.components.decode_bench``):
 
 * simplejpeg decodes these JPEGs (~105 KB, quality 90) 1.17x as fast as Pillow and level
   with OpenCV (all three are libjpeg-turbo underneath); it also reads the size from the

@@ -14,16 +14,17 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import fastload
 from fastload.datasets.base import ShardedDataset
 from fastload.diagnosis import measure, predict
 from fastload.diagnosis.measure import PhaseProgress
 from fastload.diagnosis.prices import SPOT_DISCOUNT, Price, price_for
 from fastload.diagnosis.report import SCHEMA_VERSION, Applied, Phase, Report
 from fastload.diagnosis.steps import Step, model_step
+from fastload.errors import FastloadError
 from fastload.store import CachedStore
 
 # Seconds each measured phase runs for (it may run over to reach MIN_BATCHES batches).
@@ -47,8 +48,17 @@ _LOADER_SETTINGS = (
 )
 
 
-class DoctorError(fastload.FastloadError, ValueError):
+class DoctorError(FastloadError, ValueError):
     """A diagnosis cannot run as asked (nothing to read, a bad setting); says what to do."""
+
+
+def _fastload_version() -> str:
+    """``fastload.__version__``, read as the package's top reads it: diagnosis imports the
+    modules it needs, never the top-level package (which imports the doctor)."""
+    try:
+        return version("fastload")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
 
 
 def doctor(
@@ -295,7 +305,7 @@ class _Diagnosis:
         phases, dataset, per_rank = self.phases, self.dataset, self.cores / self.lws
         return Report(
             schema=SCHEMA_VERSION,
-            fastload_version=fastload.__version__,
+            fastload_version=_fastload_version(),
             url=dataset.store.url,
             dataset={
                 "samples": len(dataset),

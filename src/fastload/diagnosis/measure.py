@@ -103,9 +103,9 @@ def repeated(indices: Sequence[int], batches: int, batch_size: int) -> list[int]
 
 
 def batch_samples(batch: Any) -> int:
-    from fastload.loader.dataloader import _batch_length
+    from fastload.loader.dataloader import batch_length
 
-    return _batch_length(batch, True)
+    return batch_length(batch, True)
 
 
 def run_loader(

@@ -13,9 +13,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastload.bench.runner import busy_loop
-
 _CHUNK = 2_000  # busy-loop iterations between looks at the clock (~50 us)
+
+
+def busy_loop(iterations: int) -> int:
+    """Small pure-Python arithmetic, ``iterations`` times: it holds the GIL throughout, as a
+    real training step's kernel dispatch, optimizer and logging do, giving it up only when
+    the interpreter's switch interval forces a hand-off to a thread that asks for it.
+    (The bench's GIL-holding step runs the same loop, so the two steps load a core alike.)"""
+    total = 0
+    for i in range(iterations):
+        total += i & 7
+    return total
 
 
 class Step:

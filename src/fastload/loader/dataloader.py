@@ -613,7 +613,7 @@ class _Iteration:
         if self.counted:
             samples, batch = item
         else:
-            samples, batch = _batch_length(item, self._batched), item
+            samples, batch = batch_length(item, self._batched), item
             self._stats.count("batches")
             self._stats.count("samples", samples)
         if self._put_here:
@@ -648,7 +648,7 @@ class _Iteration:
         self.close()
 
 
-def _batch_length(batch: Any, batched: bool) -> int:
+def batch_length(batch: Any, batched: bool) -> int:
     """Samples in a torch-path batch (for stats): the leading size of its first tensor, or
     the length of its first list; 1 without auto-batching."""
     if not batched:
@@ -667,4 +667,4 @@ def _batch_length(batch: Any, batched: bool) -> int:
             return 0
 
 
-__all__ = ["DataLoader"]
+__all__ = ["DataLoader", "batch_length"]

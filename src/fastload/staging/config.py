@@ -26,7 +26,7 @@ class FetchConfig:
     # "auto": obstore where it can send the same requests (s3:// with the s3 extra), the
     # fsspec filesystem elsewhere; "fsspec": always the filesystem (see fastload.remote.connect).
     transport: Literal["auto", "fsspec"] = "auto"
-    # Stage remote objects in a process of its own (fastload.stage_process), so staging
+    # Stage remote objects in a process of its own (fastload.staging.process), so staging
     # never waits for, nor takes, the GIL of a training step. Opt-in for now: its start-up
     # (a fresh interpreter) lands on the first batch of a cold epoch.
     staging_process: bool = False

@@ -13,7 +13,7 @@ Every system delivers batches of ``batch_size`` ``(images, labels)``, shuffled, 
 preset (RandomResizedCrop + flip + normalize) at ``size`` px, with ``workers`` workers
 (fastload: threads; the peers: torch DataLoader worker processes, ``persistent_workers``),
 and no training step: figures are the loader's throughput, images/s, the median of
-``repeats`` epochs after an untimed one (:mod:`fastload.bench.parquet_peers` has the peers'
+``repeats`` epochs after an untimed one (:mod:`fastload.bench.peers.parquet_peers` has the peers'
 datasets, which the end-to-end benchmark's Parquet layout runs from S3 too):
 
 * fastload: ``fl.DataLoader(ds, decode="cpu", transform=TrainPreset(size))`` over
@@ -38,7 +38,7 @@ datasets, which the end-to-end benchmark's Parquet layout runs from S3 too):
 
 The peers read local files; fastload's warm epoch reads its cache (local files too), its
 cold epoch the S3 server. Each system runs in a Python process of its own
-(``python -m fastload.bench.parquet_bench SPEC RESULT``), one after another; the peers of
+(``python -m fastload.bench.components.parquet_bench SPEC RESULT``), one after another; the peers of
 ``datasets`` with the peers' Python (``e2e_process.default_peers_python``), importing this
 same fastload through ``PYTHONPATH``.
 
@@ -70,8 +70,8 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from fastload.bench.e2e_report import TARGETS
-from fastload.bench.parquet_peers import (
+from fastload.bench.e2e.e2e_report import TARGETS
+from fastload.bench.peers.parquet_peers import (
     ARROW_FASTLOAD_DECODER,
     ARROW_SIMPLEJPEG,
     HF_MAP,
@@ -155,7 +155,7 @@ class ParquetData:
 
 def generate(data_dir: Path, config: ParquetBenchConfig) -> ParquetData:
     """The Parquet layout of ``e2e_data``'s JPEGs (kept when written with the same settings)."""
-    from fastload.bench import e2e_data
+    from fastload.bench.e2e import e2e_data
 
     data = e2e_data.generate(
         data_dir / f"e2e-{config.samples}", e2e_data.DataConfig(samples=config.samples)
@@ -363,7 +363,7 @@ def _tuples(config: dict[str, Any]) -> dict[str, Any]:
 def _peers_python(config: ParquetBenchConfig) -> str | None:
     if config.peers_python is not None:
         return config.peers_python
-    from fastload.bench.e2e_process import default_peers_python
+    from fastload.bench.e2e.e2e_process import default_peers_python
 
     return default_peers_python()
 
@@ -375,7 +375,7 @@ def _hf_skip_reason(python: str | None, work: Path) -> str | None:
             "no peers' Python (.venv-peers, or $FASTLOAD_PEERS_PYTHON): `make bench-peers` "
             "builds it with datasets"
         )
-    from fastload.bench.e2e_process import probe_python
+    from fastload.bench.e2e.e2e_process import probe_python
 
     found = probe_python(python, ["datasets", "torch", "simplejpeg"], work)
     missing = [name for name, v in found.items() if v is None]
@@ -390,7 +390,7 @@ def _hf_skip_reason(python: str | None, work: Path) -> str | None:
 def _run_child(python: str, spec: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
     """Runs one system in a process of its own with ``python``; its result, or
     ``{"failed": why}``."""
-    from fastload.bench.e2e_process import child_env
+    from fastload.bench.e2e.e2e_process import child_env
 
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
     spec = {**spec, "work": str(run_dir)}
@@ -398,7 +398,8 @@ def _run_child(python: str, spec: dict[str, Any], work: Path, timeout_s: float) 
     spec_path.write_text(json.dumps(spec))
     log = run_dir / "log.txt"
     code = (
-        "import sys; from fastload.bench.parquet_bench import child_main; child_main(*sys.argv[1:])"
+        "import sys; from fastload.bench.components.parquet_bench import child_main; "
+        "child_main(*sys.argv[1:])"
     )
     try:
         with open(log, "wb") as out:

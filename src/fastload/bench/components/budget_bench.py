@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 import fastload as fl
-from fastload.bench.e2e_data import natural_image
+from fastload.bench.e2e.e2e_data import natural_image
 from fastload.bench.runner import Measurement, Report, relate
 from fastload.staging import FetchConfig
 from fastload.testing import HTTPServerProcess

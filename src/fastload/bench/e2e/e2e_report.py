@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from fastload.bench.e2e_data import GeneratedData
+from fastload.bench.e2e.e2e_data import GeneratedData
 from fastload.bench.runner import STEP_NAMES, Measurement, Report, machine_info, step_lost
 
 FASTLOAD = "fastload"

@@ -1,16 +1,16 @@
 """One (system, layout) of the end-to-end benchmark, measured in this process.
 
-``python -m fastload.bench.e2e_child run SPEC.json RESULT.json`` opens one system
-(:mod:`fastload.bench.e2e_peers`) on one layout of a dataset behind an S3 endpoint, runs
+``python -m fastload.bench.e2e.e2e_child run SPEC.json RESULT.json`` opens one system
+(:mod:`fastload.bench.peers.e2e_peers`) on one layout of a dataset behind an S3 endpoint, runs
 its epochs as a training loop would (a simulated step after every batch: a sleep, or a
 busy Python loop that holds the GIL, ``runner.TrainingStep``, of the work the parent
 measured), then, where the system offers it, saves its position mid-epoch and measures how
 long a fresh loader takes to deliver the next batch. The parent
-(:mod:`fastload.bench.e2e_bench`) counts the bytes its server sends at each mark this
+(:mod:`fastload.bench.e2e.e2e_bench`) counts the bytes its server sends at each mark this
 prints and samples memory; this process reports times, samples, CPU seconds and its peak
 RSS.
 
-``python -m fastload.bench.e2e_child convert mds|litdata FOLDER OUT WORKERS`` runs a
+``python -m fastload.bench.e2e.e2e_child convert mds|litdata FOLDER OUT WORKERS`` runs a
 peer's own conversion of an ImageFolder (mosaicml-streaming's ``MDSWriter``, litdata's
 ``optimize``) and prints the seconds it took.
 """
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastload.bench.e2e_peers import (
+from fastload.bench.peers.e2e_peers import (
     IMPORTS,
     LABELS_IN_ORDER,
     LAYOUT_IMPORTS,
@@ -333,7 +333,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"seconds": convert(argv[1], argv[2], argv[3], int(argv[4]))}))
         return 0
     print(
-        "usage: python -m fastload.bench.e2e_peers run SPEC RESULT | "
+        "usage: python -m fastload.bench.e2e.e2e_child run SPEC RESULT | "
         "convert mds|litdata FOLDER OUT WORKERS",
         file=sys.stderr,
     )

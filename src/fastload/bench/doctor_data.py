@@ -1,6 +1,9 @@
 """The dataset ``fastload doctor`` diagnoses when given no URL: the bench's generated JPEGs
-(``bench.e2e_data``, an ImageFolder of 600 by default) served over S3 from a loopback
+(``bench.e2e.e2e_data``, an ImageFolder of 600 by default) served over S3 from a loopback
 server in a process of its own, with the bench's latency and bandwidth per connection.
+
+It lives in bench, not diagnosis, because it needs the harness (generated data, a loopback
+server) that shipped diagnosis code must not import; the CLI wires it into the doctor.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def builtin_remote(
             "fastload doctor without a URL serves a generated dataset over S3, which needs "
             "s3fs: pip install 'fastload[bench]' (or give a URL of your own)"
         )
-    from fastload.bench.e2e_data import DataConfig, generate
+    from fastload.bench.e2e.e2e_data import DataConfig, generate
     from fastload.testing import RemoteBehavior, S3FolderProcess
 
     data = generate(out / "data" / f"e2e-{samples}", DataConfig(samples=samples))

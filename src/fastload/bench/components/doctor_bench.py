@@ -1,9 +1,9 @@
 """The doctor's predictions against what ``--apply`` measures, and its own cost (P12).
 
 Each scenario is one ``fl.doctor(url, apply=True, gpu="A100", ...)`` call on the bench's
-generated ImageFolder (:mod:`fastload.bench.e2e_data`, 600 JPEGs of about 105 KB) served
+generated ImageFolder (:mod:`fastload.bench.e2e.e2e_data`, 600 JPEGs of about 105 KB) served
 over S3 by an :class:`~fastload.testing.S3FolderProcess` in a process of its own
-(:func:`fastload.diagnosis.builtin.builtin_remote`: latency per request, 100 MB/s per
+(:func:`fastload.bench.doctor_data.builtin_remote`: latency per request, 100 MB/s per
 connection), each on a fresh cache directory, batches of 64 decoded to ``TrainPreset(224)``:
 
 * **fetch**: 100 ms per request, the cold phase measured (empty cache), a 20 ms sleeping
@@ -95,7 +95,7 @@ class Scenario:
 
 @dataclass(frozen=True, kw_only=True)
 class DoctorBenchConfig:
-    samples: int = 600  # the built-in dataset's size (builtin.SAMPLES)
+    samples: int = 600  # the built-in dataset's size (doctor_data.SAMPLES)
     phase_s: float = 4.0  # seconds per measured phase (doctor's default)
     scenarios: tuple[str, ...] = SCENARIOS
     whole: bool = True  # also time a whole diagnosis (cold=False, apply=False)
@@ -169,8 +169,8 @@ def _diagnose(
     """(the doctor's report, the doctor() call's wall seconds, the cores other processes
     kept busy meanwhile: the machine's busy CPU time less this process tree's, over the
     wall time) on a fresh cache. Another job on a 2-core machine skews every phase."""
+    from fastload.bench.doctor_data import builtin_remote
     from fastload.diagnosis import doctor
-    from fastload.diagnosis.builtin import builtin_remote
 
     shutil.rmtree(cache, ignore_errors=True)
     cache.parent.mkdir(parents=True, exist_ok=True)

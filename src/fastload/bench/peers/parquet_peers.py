@@ -1,7 +1,7 @@
 """The Parquet peers: what users would pick to read Parquet images into a torch DataLoader.
 
-Shared by the Parquet component benchmark (:mod:`fastload.bench.parquet_bench`, on local
-files) and the end-to-end benchmark's Parquet layout (:mod:`fastload.bench.e2e_peers`,
+Shared by the Parquet component benchmark (:mod:`fastload.bench.components.parquet_bench`, on local
+files) and the end-to-end benchmark's Parquet layout (:mod:`fastload.bench.peers.e2e_peers`,
 from S3). The data is ``e2e_data.write_parquet``'s: an ``image`` struct ``{bytes, path}``
 (the Hugging Face ``Image`` feature) and an int64 ``label``.
 
@@ -62,7 +62,7 @@ def decoder(kind: str, size: int, seed: int) -> Decode:
         return fastload_decode
     if kind != "simplejpeg":
         raise ValueError(f"decoder must be one of {DECODERS}, got {kind!r}")
-    from fastload.bench.decode_bench import TorchOps
+    from fastload.bench.components.decode_bench import TorchOps
     from fastload.decode.cpu import decode_rgb
 
     ops = TorchOps(preset, seed=seed + os.getpid())

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from fastload.bench.e2e_s3_peers import s5cmd_binary
+from fastload.bench.peers.e2e_s3_peers import s5cmd_binary
 from fastload.bench.runner import Measurement, Report, cpu_seconds, process_tree, relate
 from fastload.testing import HTTPServerProcess, RemoteBehavior, RequestStats
 from fastload.testing.s3_server import ACCESS_KEY, REGION, SECRET_KEY

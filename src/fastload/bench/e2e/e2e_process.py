@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fastload.bench.e2e_child import MARK
-from fastload.bench.e2e_report import Run
+from fastload.bench.e2e.e2e_child import MARK
+from fastload.bench.e2e.e2e_report import Run
 from fastload.bench.runner import process_tree, pss_bytes
 from fastload.testing.http_server import LoopbackServer
 
@@ -89,7 +89,7 @@ def run_child(
     spec_path.touch(mode=0o600)
     spec_path.write_text(json.dumps(spec))
     result_path = run_dir / "result.json"
-    cmd = [python, "-m", "fastload.bench.e2e_child", "run", "spec.json", "result.json"]
+    cmd = [python, "-m", "fastload.bench.e2e.e2e_child", "run", "spec.json", "result.json"]
     if server is not None:
         server.reset_stats()
         server_cpu_before = server.cpu_s  # its request threads only, not our sampler

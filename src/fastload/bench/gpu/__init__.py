@@ -1,0 +1,1 @@
+"""The check run on a machine with a GPU (``benchmarks/gpu_check.sh``)."""
