@@ -28,7 +28,7 @@ every shard whole on first touch (one GET per shard when a rank reads them all),
 
 An array this reader refuses (variable-length strings, structured dtypes, storage
 transformers, codecs it does not know) is read through zarr-python 3 over the same cache
-(:mod:`fastload.datasets.zarr_store`); ``format_reason`` says which and why.
+(:mod:`fastload.datasets.zarr.store`); ``format_reason`` says which and why.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ class ZarrPythonArray:
         """The ``zarr.Array`` (opened once per process)."""
         if self._pid != os.getpid():
             zarr = importlib.import_module("zarr")
-            from fastload.datasets.zarr_store import CachedZarrStore
+            from fastload.datasets.zarr.store import CachedZarrStore
 
             store = CachedZarrStore(self._store, self._existing)
             self._array = zarr.open_array(store=store, path=self.name, mode="r")
