@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fastload.datasets.tar.dataset import TarDataset
+from fastload.datasets.tar.dataset import IMAGE_FIELDS, LABEL_FIELDS, TarDataset
 from fastload.datasets.tar.index import INDEX_NAME, IndexFile, index_path
 from fastload.datasets.tar.members import count_samples, is_header_of, scan_tar, split_name
 from fastload.datasets.tar.sources import WIDS_INDEX_NAME
@@ -33,8 +33,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "IMAGE_FIELDS",
     "INDEX_JOBS",
     "INDEX_NAME",
+    "LABEL_FIELDS",
     "WIDS_INDEX_NAME",
     "IndexFile",
     "IndexReport",

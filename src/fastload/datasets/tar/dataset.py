@@ -44,8 +44,12 @@ from fastload.datasets.tar.sources import (
     promised_shards,
     scan_shard,
 )
+from fastload.errors import DecodeError
 from fastload.store import CachedStore
 
+# Fields taken as the image / the label when decoding (WebDataset's usual names).
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
+LABEL_FIELDS = ("cls", "label", "target", "class")
 # One read covers a whole sample when the bytes between its fields (tar headers, padding,
 # fields left out by ``fields=``) are at most this much; otherwise each field is read alone.
 _MAX_GAP_BYTES = 64 << 10
@@ -167,6 +171,34 @@ class TarDataset(ShardedDataset):
                 raise self._not_a_member(s, member, offset, size)
             sample[name] = own(view[BLOCK:])
         return sample
+
+    # --- what the loader's decoder asks of a sample ---------------------------------------
+
+    @property
+    def decodable(self) -> bool:
+        """Samples hold an image field (one of ``IMAGE_FIELDS``), or decoding says not."""
+        return True
+
+    def image_and_label(self, sample: Any, index: int) -> tuple[Any, Any]:
+        """The first of ``IMAGE_FIELDS`` the sample has, and the first of ``LABEL_FIELDS``
+        (an integer where its text is one)."""
+        image = next((sample[f] for f in IMAGE_FIELDS if f in sample), None)
+        if image is None:
+            where = self.store.object_url(sample["__shard__"])
+            raise DecodeError(
+                f"sample {index} ({sample['__key__']} in {where}) has no image field"
+                f" ({', '.join(IMAGE_FIELDS)}); its fields are "
+                f"{', '.join(k for k in sample if not k.startswith('__'))}"
+            )
+        label = next((sample[f] for f in LABEL_FIELDS if f in sample), None)
+        if isinstance(label, bytes | bytearray | memoryview):
+            text = bytes(label).decode("utf-8", "replace").strip()
+            label = int(text) if text.lstrip("-").isdigit() else text
+        return image, label
+
+    def describe(self, index: int) -> str:
+        shard = self.shard_keys[self.shard_of(index)][0]
+        return f"{self.key(index)} in {self.store.object_url(shard)}"
 
     def _not_a_member(self, s: int, member: str, offset: int, size: int) -> DatasetError:
         shard = self._shards[s]
