@@ -18,8 +18,8 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, Transpos
 
 from fastload.bench.components import zarr_bench
 from fastload.datasets import DatasetError, open_dataset
-from fastload.datasets import zarr as fzarr
 from fastload.datasets.zarr import ZarrDataset
+from fastload.datasets.zarr import chunks as fzarr
 from fastload.testing import RangeHTTPServer, S3Server
 
 N = 23  # not a multiple of any chunk length below

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import fastload
-from fastload.datasets import FORMATS
+from fastload.datasets import formats
 from fastload.errors import (
     FastloadError,
     MissingBackendError,
@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
     warm.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=formats(),  # the built-in formats and those registered in this process
         help="open the dataset in this format (auto: detect) and stage only what it reads",
     )
     warm.add_argument("--jobs", type=positive_int, help="requests in flight at most (default 64)")
@@ -589,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--lookahead-bytes", type=parse_size, help="e.g. 1G")
     loader.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
     loader.add_argument("--max-bytes", type=parse_size, help="the cache budget, e.g. 200G")
-    loader.add_argument("--format", choices=FORMATS)
+    loader.add_argument("--format", choices=formats())
     run = doctor.add_argument_group("the diagnosis")
     run.add_argument(
         "--cold",

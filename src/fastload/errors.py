@@ -7,6 +7,13 @@ class FastloadError(Exception):
     """Base of every error fastload raises on purpose."""
 
 
+class DecodeError(FastloadError, ValueError):
+    """A sample could not be decoded; the message names it (URL or key) and says why.
+
+    Here, not in :mod:`fastload.decode`, so that a dataset format (below the decoders) can
+    say its sample holds no image; ``fastload.decode.DecodeError`` is this class."""
+
+
 class InvalidDestinationError(FastloadError, ValueError):
     """A read destination is not a writable, C-contiguous byte buffer large enough for the read."""
 

@@ -2,6 +2,9 @@
 
 ``open_dataset(url, format="auto")`` decides the format from the listing and says what it
 decided (``dataset.format``, ``dataset.format_reason``, and a log line).
+:func:`register_format` adds a format of one's own: a :class:`ShardedDataset` subclass that
+``open_dataset(format=name)``, ``fl.warm`` and ``fastload warm --format name`` open (by
+name only: ``"auto"`` never picks it).
 """
 
 from __future__ import annotations
@@ -28,11 +31,39 @@ from fastload.store import CachedStore, StoreConfig
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", "imagefolder", "files", "tar", "zarr", "parquet")
+FORMATS = ("auto", "imagefolder", "files", "tar", "zarr", "parquet")  # the built-in ones
 _NOTE_SUFFIXES = (b".md", b".json", b".txt", b".yaml", b".yml", b"tributes", b"LICENSE")
 
 
+# Formats added by register_format: name -> opener(store, **format_options).
+_REGISTERED: dict[str, Callable[..., ShardedDataset]] = {}
+
+
+def register_format(name: str, opener: Callable[..., ShardedDataset]) -> None:
+    """Adds format ``name``: ``opener(store, **format_options)`` (a :class:`ShardedDataset`
+    subclass, or a function returning one) opens a :class:`~fastload.store.CachedStore`
+    as that format. Registering a name again replaces its opener; a built-in name is
+    refused. The format is then one of :func:`formats` (``fastload warm --format``'s
+    choices, in this process)."""
+    if not isinstance(name, str) or not name or name in FORMATS:
+        raise ValueError(
+            f"a format's name must be a non-empty string other than the built-in "
+            f"{', '.join(FORMATS)}; got {name!r}"
+        )
+    if not callable(opener):
+        raise TypeError(f"opener must be callable (store, **options) -> dataset, got {opener!r}")
+    _REGISTERED[name] = opener
+
+
+def formats() -> tuple[str, ...]:
+    """Every format :func:`open_dataset` opens: the built-in ``FORMATS``, then the
+    registered ones."""
+    return FORMATS + tuple(_REGISTERED)
+
+
 def _opener(fmt: str) -> Callable[..., ShardedDataset]:
+    if fmt in _REGISTERED:
+        return _REGISTERED[fmt]
     if fmt == "imagefolder":
         return ImageFolderDataset
     if fmt == "files":
@@ -49,7 +80,7 @@ def _opener(fmt: str) -> Callable[..., ShardedDataset]:
         from fastload.datasets.parquet import ParquetDataset
 
         return ParquetDataset
-    raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    raise ValueError(f"format must be one of {', '.join(formats())}, got {fmt!r}")
 
 
 def detect_format(keys: Sequence[str] | Manifest) -> tuple[str, str]:
@@ -108,8 +139,8 @@ def open_dataset(
     ``format_options`` go to the format's class (e.g. ``arrays=["images", "labels"]`` for
     Zarr). The dataset knows its shards (``shard_sizes``, ``shard_keys``).
     """
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if format not in formats():
+        raise ValueError(f"format must be one of {', '.join(formats())}, got {format!r}")
     store = CachedStore(
         StoreConfig(
             url=url,
@@ -138,5 +169,7 @@ __all__ = [
     "ImageFolderDataset",
     "ShardedDataset",
     "detect_format",
+    "formats",
     "open_dataset",
+    "register_format",
 ]

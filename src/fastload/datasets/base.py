@@ -148,6 +148,29 @@ class ShardedDataset:
         copying each sample's bytes, ~100 KB under the GIL for a photo."""
         raise NotImplementedError(f"{type(self).__name__} has no byte ranges to assemble")
 
+    # --- what the loader's decoder asks of a sample (a format that holds images says) ------
+
+    @property
+    def decodable(self) -> bool:
+        """Whether samples carry an encoded image that ``fl.DataLoader(decode=...)`` decodes
+        (then :meth:`image_and_label` finds it)."""
+        return False
+
+    def image_and_label(self, sample: Any, index: int) -> tuple[Any, Any]:
+        """(encoded image, label or None) of sample ``index``, as ``dataset[index]`` gave it.
+        The image is None where the sample has none (a null cell): :meth:`no_image` says
+        why, and the loader raises or skips it as it does a bad image."""
+        return sample, None
+
+    def describe(self, index: int) -> str:
+        """Sample ``index`` as errors name it (its file, its tar member, ...)."""
+        return f"{self.store.url}[{index}]"
+
+    def no_image(self, index: int) -> str:
+        """Why sample ``index``, whose :meth:`image_and_label` gave no image, cannot be
+        decoded."""
+        return f"sample {index} ({self.describe(index)}) has no image"
+
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         data = self.store.read(key, offset, length)
         if len(data) != length:

@@ -116,6 +116,14 @@ class FileDataset(ShardedDataset):
     ) -> Any:
         return bytes(parts[0]) if copy else parts[0]
 
+    @property
+    def decodable(self) -> bool:
+        """A file is an encoded image as it is (or not one: the decoder says which)."""
+        return True
+
+    def describe(self, index: int) -> str:
+        return self.store.object_url(self.keys[index])
+
 
 class ImageFolderDataset(FileDataset):
     """torchvision's ImageFolder layout: ``root/<class>/**/<image>``; samples are
@@ -155,6 +163,9 @@ class ImageFolderDataset(FileDataset):
         self, index: int, parts: Sequence[bytes | memoryview], *, copy: bool = True
     ) -> Any:
         return (bytes(parts[0]) if copy else parts[0]), self.target(index)
+
+    def image_and_label(self, sample: Any, index: int) -> tuple[Any, Any]:
+        return sample[0], sample[1]
 
 
 def _layout(manifest: Manifest, extensions: tuple[str, ...]) -> dict[str, Any]:

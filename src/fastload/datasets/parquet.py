@@ -213,6 +213,25 @@ class ParquetDataset(ShardedDataset):
         f = int(self._shard_file[s])
         return self.files[f].key, int(self._shard_group[s]), index - int(self.shard_offsets[s])
 
+    @property
+    def decodable(self) -> bool:
+        """With an image column: its cells are encoded images."""
+        return self.image_column is not None
+
+    def image_and_label(self, sample: Any, index: int) -> tuple[Any, Any]:
+        if self.image_column is None:
+            return sample, None
+        # A null image stays None: the loader raises for it, or skips it like a bad image.
+        image = sample[self.image_column]
+        return image, None if self.label_column is None else sample[self.label_column]
+
+    def no_image(self, index: int) -> str:
+        key, group, row = self.where(index)
+        return (
+            f"sample {index} (row {row} of row group {group} of {self.store.object_url(key)}) "
+            f"has no image: its {self.image_column!r} is null"
+        )
+
     def _load(self, index: int) -> Any:
         s = self.shard_of(index)
         f, g = int(self._shard_file[s]), int(self._shard_group[s])

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 from fastload.decode.params import EvalPreset, TrainPreset
+from fastload.errors import DecodeError as DecodeError  # defined below the formats
 from fastload.errors import FastloadError
 
 if TYPE_CHECKING:
@@ -15,10 +16,6 @@ if TYPE_CHECKING:
 
 Backend: TypeAlias = Literal["auto", "dali", "cpu"]
 Transform: TypeAlias = "TrainPreset | EvalPreset | Callable[[torch.Tensor], torch.Tensor] | None"
-
-
-class DecodeError(FastloadError, ValueError):
-    """A sample could not be decoded; the message names it (URL or key) and says why."""
 
 
 class BackendUnavailableError(FastloadError, ImportError):

@@ -24,19 +24,11 @@ from torch.utils.data import default_collate
 
 from fastload.cache import Location
 from fastload.datasets.base import Range, ShardedDataset
-from fastload.datasets.folder import FileDataset, ImageFolderDataset
-from fastload.datasets.parquet import ParquetDataset
-from fastload.datasets.tar import TarDataset
 from fastload.decode import DecodedBatch, DecodeError, Decoder
 from fastload.errors import FastloadError
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
 from fastload.staging import StageResult
-
-# Tar fields taken as the image / the label when decoding (WebDataset's usual names).
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff")
-LABEL_FIELDS = ("cls", "label", "target", "class")
-
 
 # Objects at least this large that a batch reads a few samples of are read by range (see
 # BatchBuilder._by_range).
@@ -57,9 +49,8 @@ def _range_pool() -> ThreadPoolExecutor:
 
 
 def decodable(dataset: object) -> bool:
-    if isinstance(dataset, ParquetDataset):
-        return dataset.image_column is not None
-    return isinstance(dataset, FileDataset | TarDataset)
+    """Whether ``decode=`` applies: a fastload dataset whose samples carry encoded images."""
+    return isinstance(dataset, ShardedDataset) and dataset.decodable
 
 
 def _noted(error: BaseException, stage: str) -> BaseException:
@@ -481,52 +472,10 @@ class BatchBuilder:
 
     # --- decode ------------------------------------------------------------------------------
 
-    def _split(self, sample: Any, index: int) -> tuple[Any, Any]:
-        """(encoded image, label or None) of one sample."""
-        ds = self.dataset
-        if isinstance(ds, ImageFolderDataset):
-            return sample[0], sample[1]
-        if isinstance(ds, TarDataset):
-            image = next((sample[f] for f in IMAGE_FIELDS if f in sample), None)
-            if image is None:
-                where = ds.store.object_url(sample["__shard__"])
-                raise DecodeError(
-                    f"sample {index} ({sample['__key__']} in {where}) has no image field"
-                    f" ({', '.join(IMAGE_FIELDS)}); its fields are "
-                    f"{', '.join(k for k in sample if not k.startswith('__'))}"
-                )
-            label = next((sample[f] for f in LABEL_FIELDS if f in sample), None)
-            if isinstance(label, bytes | bytearray | memoryview):
-                text = bytes(label).decode("utf-8", "replace").strip()
-                label = int(text) if text.lstrip("-").isdigit() else text
-            return image, label
-        if isinstance(ds, ParquetDataset) and ds.image_column is not None:
-            # A null image stays None: _decode raises for it, or skips it like a bad image.
-            image = sample[ds.image_column]
-            return image, None if ds.label_column is None else sample[ds.label_column]
-        return sample, None
-
-    def _no_image(self, index: int) -> str:
-        """Why sample ``index``, whose image is null (a Parquet row), cannot be decoded."""
-        ds = self.dataset
-        assert isinstance(ds, ParquetDataset)
-        key, group, row = ds.where(index)
-        return (
-            f"sample {index} (row {row} of row group {group} of {ds.store.object_url(key)}) "
-            f"has no image: its {ds.image_column!r} is null"
-        )
-
-    def _name(self, index: int) -> str:
-        ds = self.dataset
-        if isinstance(ds, FileDataset):
-            return ds.store.object_url(ds.keys[index])
-        if isinstance(ds, TarDataset):
-            return f"{ds.key(index)} in {ds.store.object_url(ds.shard_keys[ds.shard_of(index)][0])}"
-        return f"{ds.store.url}[{index}]"
-
     def _decode(self, indices: list[int], samples: list[Any], epoch: int) -> Any:
         assert self.decoder is not None
-        pairs = [self._split(s, i) for s, i in zip(samples, indices, strict=True)]
+        split = self.dataset.image_and_label
+        pairs = [split(s, i) for s, i in zip(samples, indices, strict=True)]
         encoded = [p[0] for p in pairs]
         labels = [p[1] for p in pairs]
         decoded = self._decode_present(encoded, indices, epoch)
@@ -566,11 +515,11 @@ class BatchBuilder:
         Parquet cell) raise, or with ``on_error="skip"`` are skipped as a bad image is."""
         assert self.decoder is not None
         if not any(image is None for image in encoded):  # the common case
-            names = _SampleNames(self._name, indices)  # made only for an error message
+            names = _SampleNames(self.dataset.describe, indices)  # made only for an error
             return self.decoder.decode(encoded, indices=indices, epoch=epoch, names=names)
         present = [pos for pos, image in enumerate(encoded) if image is not None]
         missing = [
-            (pos, self._no_image(i)) for pos, i in enumerate(indices) if encoded[pos] is None
+            (pos, self.dataset.no_image(i)) for pos, i in enumerate(indices) if encoded[pos] is None
         ]
         if self.decoder.config.on_error == "raise":
             raise DecodeError(f"{missing[0][1]}; pass on_error='skip' to leave such samples out")
@@ -581,7 +530,7 @@ class BatchBuilder:
             [encoded[pos] for pos in present],
             indices=subset,
             epoch=epoch,
-            names=_SampleNames(self._name, subset),
+            names=_SampleNames(self.dataset.describe, subset),
         )
         skipped = missing + [(present[pos], why) for pos, why in decoded.skipped]
         return DecodedBatch(decoded.images, [present[k] for k in decoded.kept], skipped)

@@ -5,8 +5,8 @@ reader refuses (variable-length strings, structured dtypes, codecs it does not k
 opened with ``zarr.open_array(store=CachedZarrStore(...), mode="r")`` instead, so its
 bytes still come through :class:`~fastload.store.CachedStore`: whole objects with
 ``read``, byte ranges (a shard's index and inner chunks) with ``read_range``, and the
-listing from the dataset's manifest. This module imports zarr-python; nothing else in
-fastload does.
+listing from the dataset's manifest. This module imports zarr-python when it is imported;
+the rest of fastload imports it only where the fallback is used.
 """
 
 from __future__ import annotations

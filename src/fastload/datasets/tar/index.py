@@ -1,0 +1,201 @@
+"""fastload's tar index file (``fastload.flidx``): its format, reading and checking it, writing it.
+
+``FLTARIDX``, the header's length (uint64, little-endian), the header (JSON: ``format`` and
+one entry per shard, ``{"name", "size", "version", "samples", "members", "at",
+"length"}``), then each shard's section at ``at`` bytes past the header, zlib of
+little-endian arrays: int64 gaps (a member's data offset minus the previous member's padded
+end, so mostly 512), int64 sizes, uint32 ends of the names, then the UTF-8 names. Every
+number read is checked against the shard it describes before it is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fastload.datasets.base import (
+    DatasetError,
+)
+from fastload.datasets.tar.members import BLOCK, Member, count_samples
+from fastload.store import CachedStore
+
+INDEX_NAME = "fastload.flidx"
+_INDEX_FORMAT = "fastload-tar-index/2"
+_MAGIC = b"FLTARIDX"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    size: int | None
+    version: str | None
+    samples: int
+    members: int
+    at: int
+    length: int
+
+
+class IndexFile:
+    """A fastload tar index (the format is in the module docstring): the header is parsed
+    now, a shard's section when its members are asked for. ``ValueError`` if malformed."""
+
+    def __init__(
+        self, data: bytes, source: str, *, reread: Path | tuple[CachedStore, str] | None = None
+    ) -> None:
+        self.source = source
+        # Where a worker reads the bytes again (a cached file; the dataset's object through
+        # its cache): a pickled dataset then carries the header, not every shard's members.
+        self._reread = reread
+        if data[:8] != _MAGIC or len(data) < 16:
+            raise ValueError("it does not start like a fastload index")
+        (header_bytes,) = struct.unpack_from("<Q", data, 8)
+        self._sections = 16 + header_bytes
+        header = json.loads(data[16 : self._sections])
+        if header["format"] != _INDEX_FORMAT:
+            raise ValueError(f"its format is {header['format']!r}, not {_INDEX_FORMAT!r}")
+        self.entries = {
+            str(e["name"]): _Entry(
+                size=None if e["size"] is None else int(e["size"]),
+                version=None if e["version"] is None else str(e["version"]),
+                samples=int(e["samples"]),
+                members=int(e["members"]),
+                at=int(e["at"]),
+                length=int(e["length"]),
+            )
+            for e in header["shards"]
+        }
+        if any(self._sections + e.at + e.length > len(data) for e in self.entries.values()):
+            raise ValueError("it is cut short")
+        self._data: bytes | None = data
+        self._length = len(data)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._reread is not None:
+            state["_data"] = None
+        return state
+
+    def _bytes(self) -> bytes:
+        if self._data is None:
+            assert self._reread is not None
+            where = self._reread
+            data = where.read_bytes() if isinstance(where, Path) else where[0].read(where[1])
+            if len(data) != self._length:
+                raise DatasetError(
+                    f"{self.source} changed since the dataset was opened; open it again"
+                )
+            self._data = data
+        return self._data
+
+    def current(self, name: str, size: int | None, version: str | None) -> _Entry | None:
+        """name's entry if the index has one for that size and version of the shard."""
+        entry = self.entries.get(name)
+        if entry is None or entry.size != size or entry.version != version:
+            return None
+        return entry
+
+    def members(self, name: str, shard_url: str) -> list[Member]:
+        entry = self.entries[name]
+        at = self._sections + entry.at
+        m = entry.members
+        try:
+            raw = zlib.decompress(self._bytes()[at : at + entry.length])
+            gaps = np.frombuffer(raw, "<i8", m, 0)
+            sizes = np.frombuffer(raw, "<i8", m, 8 * m)
+            ends = np.frombuffer(raw, "<u4", m, 16 * m).astype(np.int64)
+        except (zlib.error, ValueError) as exc:
+            raise self._damaged(shard_url, f"it cannot be read: {exc}") from None
+        blob = raw[20 * m :]
+        starts = np.concatenate([[0], ends])[:-1]
+        offsets = np.cumsum(gaps + np.concatenate([[0], _padded(sizes)])[:-1])
+        if m and (
+            int(ends[-1]) != len(blob)
+            or bool((ends < starts).any())
+            or int(offsets.min()) < BLOCK
+            or int(sizes.min()) < 0
+            or (entry.size is not None and int((offsets + sizes).max()) > entry.size)
+        ):
+            raise self._damaged(shard_url, "its names, offsets or sizes are out of place")
+        names = [
+            blob[a:b].decode("utf-8", "surrogateescape")
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+        return list(zip(names, offsets.tolist(), sizes.tolist(), strict=True))
+
+    def _damaged(self, shard_url: str, why: str) -> DatasetError:
+        return DatasetError(
+            f"{shard_url}: its entry in {self.source} is damaged ({why}): run `fastload index` "
+            "on the dataset again"
+        )
+
+    @staticmethod
+    def encode(shards: Iterable[tuple[str, int | None, str | None, Sequence[Member]]]) -> bytes:
+        """An index of (name, size, version, members) per shard."""
+        entries = []
+        sections = []
+        at = 0
+        for name, size, version, members in shards:
+            section = _encode_members(members)
+            entries.append(
+                {
+                    "name": name,
+                    "size": size,
+                    "version": version,
+                    "samples": count_samples(members),
+                    "members": len(members),
+                    "at": at,
+                    "length": len(section),
+                }
+            )
+            sections.append(section)
+            at += len(section)
+        header = json.dumps({"format": _INDEX_FORMAT, "shards": entries}).encode()
+        return b"".join([_MAGIC, struct.pack("<Q", len(header)), header, *sections])
+
+
+def _encode_members(members: Sequence[Member]) -> bytes:
+    names = [n.encode("utf-8", "surrogateescape") for n, _, _ in members]
+    offsets = np.array([o for _, o, _ in members], dtype=np.int64)
+    sizes = np.array([s for _, _, s in members], dtype=np.int64)
+    gaps = offsets - np.concatenate([[0], offsets + _padded(sizes)])[:-1]
+    ends = np.cumsum([len(n) for n in names], dtype=np.int64).astype("<u4")
+    raw = b"".join(
+        [gaps.astype("<i8").tobytes(), sizes.astype("<i8").tobytes(), ends.tobytes(), *names]
+    )
+    return zlib.compress(raw, 6)
+
+
+def _padded(sizes: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Sizes rounded up to whole tar blocks: the space a member's data takes."""
+    return (sizes + BLOCK - 1) // BLOCK * BLOCK
+
+
+def index_path(store: CachedStore, key: str) -> Path:
+    """Where the cache keeps the index of shard key: it names the URL, version and size."""
+    obj = store.object(key)
+    ident = f"{_INDEX_FORMAT}\0{store.object_url(key)}\0{obj.version}\0{obj.size}"
+    return store.cache.dir / "indexes" / f"{hashlib.sha256(ident.encode()).hexdigest()[:32]}.flidx"
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
