@@ -603,7 +603,7 @@ def test_decode_bench_runs_at_toy_size(tmp_path: Path) -> None:
 
 
 def test_the_benchmark_peers_torch_ops_match_the_references(photos: list[bytes]) -> None:
-    from fastload.bench.components.decode_bench import TorchOps
+    from fastload.bench.peers.peer_decoders import TorchOps
 
     rgb = pillow_rgb(photos[3])
     got = TorchOps(EvalPreset())(rgb)

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from fastload.bench.components.decode_bench import dali_train_ops
 from fastload.bench.gpu.config import DECODE_REFERENCE, MIXED_OPTIONS, GpuCheckConfig, Outcome
+from fastload.bench.peers.peer_decoders import dali_train_ops
 from fastload.bench.runner import Measurement, measure, relate
 from fastload.decode.base import DecodeConfig
 from fastload.decode.params import TrainPreset

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from fastload.bench.components.decode_bench import dali_train_ops
+from fastload.bench.peers.peer_decoders import dali_train_ops
 from fastload.bench.peers.spec import LABELS, Delivered, RunSpec, remote_fs, train_preset
 
 

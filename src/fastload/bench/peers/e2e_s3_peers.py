@@ -37,8 +37,8 @@ from typing import Any
 
 import torch.utils.data as tud
 
-from fastload.bench.components.decode_bench import TorchOps
 from fastload.bench.peers.dali_peer import DALILoader
+from fastload.bench.peers.peer_decoders import TorchOps
 from fastload.bench.peers.spec import (
     IMAGE_SUFFIXES,
     Loader,

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastload.bench.components.decode_bench import TorchOps
+from fastload.bench.peers.peer_decoders import TorchOps
 from fastload.bench.peers.spec import LABELS_IN_ORDER, Delivered, RunSpec, ensure_dir, train_preset
 from fastload.decode.params import TrainPreset
 

@@ -62,7 +62,7 @@ def decoder(kind: str, size: int, seed: int) -> Decode:
         return fastload_decode
     if kind != "simplejpeg":
         raise ValueError(f"decoder must be one of {DECODERS}, got {kind!r}")
-    from fastload.bench.components.decode_bench import TorchOps
+    from fastload.bench.peers.peer_decoders import TorchOps
     from fastload.decode.cpu import decode_rgb
 
     ops = TorchOps(preset, seed=seed + os.getpid())

@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from fastload.bench.components.decode_bench import TorchOps
+from fastload.bench.peers.peer_decoders import TorchOps
 from fastload.bench.peers.spec import (
     SAMPLE_IDS,
     Delivered,

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import torch.utils.data as tud
 
-from fastload.bench.components.decode_bench import TorchOps
+from fastload.bench.peers.peer_decoders import TorchOps
 from fastload.bench.peers.spec import (
     IMAGE_SUFFIXES,
     SAMPLE_IDS,
