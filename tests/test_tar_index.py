@@ -518,9 +518,9 @@ def test_a_first_batch_reads_large_indexed_shards_by_range(
     """A batch needing a few samples of a large shard not cached yet reads their ranges,
     not the shard: the first batch does not wait for whole 150 MB shards."""
     import fastload as fl
-    from fastload.loader import batches
+    from fastload.staging import planner
 
-    monkeypatch.setattr(batches, "RANGED_MIN_BYTES", 1)  # these shards count as large
+    monkeypatch.setattr(planner, "RANGED_MIN_BYTES", 1)  # these shards count as large
     with serve("s3", tmp_path, shards) as remote:
         index_of(remote, tmp_path / "c")
         ds = open_tar(remote, tmp_path / "fresh")

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
 from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import integrity_error, open_filesystem, public_url
 from fastload.staging import FetchConfig, Holding, Stager, StageResult
-
-Range: TypeAlias = tuple[str, int, int]  # (object key, offset, length)
+from fastload.staging.planner import Range
+from fastload.staging.range_pool import range_pool
 
 # Bytes held in memory for objects the cache turns away, unless FetchConfig.hold_bytes or a
 # loader (its look-ahead) says otherwise.
@@ -248,18 +247,16 @@ class CachedStore:
 
         if not ranges:
             return []
-        # Threads of its own: the staging threads' range pool would wait on these
-        # behind the AIMD limit while its own requests hold that limit.
-        threads = min(len(ranges), self.config.fetch.jobs)
+        futures = [range_pool().submit(one, r) for r in ranges]
         results = []
-        pool = ThreadPoolExecutor(threads, thread_name_prefix="fastload-stage-range")
         try:
-            for result in pool.map(one, ranges):
-                results.append(result)
+            for future in futures:
+                results.append(future.result())
                 if done is not None:
-                    done(result)  # may raise: the ranges not begun are then dropped
+                    done(results[-1])  # may raise: the ranges not begun are then dropped
         finally:
-            pool.shutdown(cancel_futures=True)
+            for future in futures:
+                future.cancel()
         return results
 
     def _range(

@@ -13,7 +13,8 @@ from fastload.plan import DEFAULT_WINDOW_SHARDS
 from fastload.progress import Progress, ProgressBar
 from fastload.remote import is_transient, public_url, scrub
 from fastload.staging import FetchConfig, StageResult
-from fastload.store import CachedStore, Range, RangeResult
+from fastload.staging.planner import Range
+from fastload.store import CachedStore, RangeResult
 
 if TYPE_CHECKING:
     from fastload.datasets.base import ShardedDataset

@@ -10,8 +10,9 @@ import numpy as np
 import numpy.typing as npt
 
 from fastload.errors import FastloadError
+from fastload.staging import planner
+from fastload.staging.planner import Range as Range  # (object key, offset, length)
 from fastload.store import CachedStore
-from fastload.store import Range as Range  # (object key, offset, length), as formats use it
 
 
 def keys_ending(store: CachedStore, suffix: str) -> list[str]:
@@ -209,14 +210,11 @@ class ShardedDataset:
                 ranges.update(dict.fromkeys(spans))
         if not ranges:
             return list(keys), []
-        wanted: dict[str, int] = {}
-        for key, _, length in ranges:
-            wanted[key] = wanted.get(key, 0) + length
-        sizes = {o.key: o.size for o in self.store.objects(list(wanted))}
-        # Half its size or more: staged whole (an object of unknown size: as ranges).
-        whole = {k for k, n in wanted.items() if 2 * n >= (sizes[k] or n + 1)}
-        keys.update((key, None) for key, _, _ in ranges if key in whole)
-        return list(keys), [r for r in ranges if r[0] not in whole]
+        ranged_keys = list(dict.fromkeys(key for key, _, _ in ranges))
+        sizes = {o.key: o.size for o in self.store.objects(ranged_keys)}
+        whole, left = planner.whole_or_ranges(ranges, sizes)
+        keys.update(dict.fromkeys(whole))
+        return list(keys), left
 
     def close(self) -> None:
         """Closes the cache handle; the dataset re-opens it if used again."""

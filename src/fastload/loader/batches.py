@@ -12,11 +12,9 @@ folder without classes).
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, overload
 
 import torch
@@ -26,26 +24,10 @@ from fastload.cache import Location
 from fastload.datasets.base import Range, ShardedDataset
 from fastload.decode import DecodedBatch, DecodeError, Decoder
 from fastload.errors import FastloadError
+from fastload.loader.staging_ahead import StagingAhead
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
-from fastload.staging import StageResult
-
-# Objects at least this large that a batch reads a few samples of are read by range (see
-# BatchBuilder._by_range).
-RANGED_MIN_BYTES = 16 << 20
-_RANGE_THREADS = 16
-_range_pools: dict[int, ThreadPoolExecutor] = {}
-
-
-def _range_pool() -> ThreadPoolExecutor:
-    """This process's threads for ranged reads (a forked child makes its own)."""
-    pool = _range_pools.get(os.getpid())
-    if pool is None:
-        pool = _range_pools.setdefault(
-            os.getpid(),
-            ThreadPoolExecutor(_RANGE_THREADS, thread_name_prefix="fastload-range"),
-        )
-    return pool
+from fastload.staging.range_pool import range_pool
 
 
 def decodable(dataset: object) -> bool:
@@ -73,7 +55,8 @@ class _ReadContext:
 
 
 class BatchBuilder:
-    """``load(indices, epoch)`` → one batch; ``stage(batches)`` fetches their shards ahead."""
+    """``load(indices, epoch)`` → one batch; ``stage(batches)`` fetches their shards ahead
+    (:mod:`fastload.loader.staging_ahead`)."""
 
     def __init__(
         self,
@@ -101,14 +84,7 @@ class BatchBuilder:
         self._streams = threading.local()
         self._contexts: list[_ReadContext] = []  # idle ones
         self._contexts_lock = threading.Lock()
-        self._staged: dict[str, None] = {}  # recently staged keys (insertion-ordered, bounded)
-        self._staged_ranges: dict[Range, None] = {}  # and ranges (the same, for stage_ranges)
-        # Whether the dataset stages some shards as byte ranges (its stage_ranges hook), and
-        # those ranges by shard (None: the shard's objects are staged whole).
-        self._ranged = dataset.stages_by_range
-        self._ranges_of: dict[int, list[Range] | None] = {}
-        self._fetching: dict[Range, threading.Event] = {}  # ranges being staged: set when done
-        self._fetching_lock = threading.Lock()
+        self.ahead = StagingAhead(dataset, stats)
         self._needed: set[str | Range] = set()  # objects (or ranges) this pass has read
         self._needed_lock = threading.Lock()
         # Whether what the cache turns away is fetched ahead into memory: batches are then
@@ -116,119 +92,9 @@ class BatchBuilder:
         # (a batch read before would have it fetched twice).
         self.holds = dataset.store.holds_turned_away
 
-    # --- staging ahead -----------------------------------------------------------------------
-
     def stage(self, batches: Sequence[Any]) -> None:
-        ds = self.dataset
-        reads: dict[str, int] = {}  # samples of these batches reading each object
-        samples: dict[str, int] = {}  # samples of the shard of each object
-        ranges: dict[Range, None] = {}  # byte ranges to stage (shards with stage_ranges)
-        for batch in batches:
-            for index in batch if self.batched else [batch]:
-                shard = ds.shard_of(int(index))
-                spans = self._stage_ranges(shard) if self._ranged else None
-                if spans is not None:
-                    ranges.update((r, None) for r in spans if r not in self._staged_ranges)
-                    continue
-                for key in ds.shard_keys[shard]:
-                    if key not in self._staged:
-                        reads[key] = reads.get(key, 0) + 1
-                        samples[key] = ds.shard_sizes[shard]
-        if ranges:
-            self._stage_by_range(list(ranges))
-        if not reads:
-            return
-        results = ds.store.stage(list(reads), self._hold_reads(reads, samples))
-        for key, result in zip(reads, results, strict=True):
-            if result.outcome != "held":  # a held one is staged again for its later reads
-                self._staged[key] = None
-        while len(self._staged) > 65536:  # forget the oldest: only a repeat filter
-            del self._staged[next(iter(self._staged))]
-        self._record(results)
-
-    def _stage_ranges(self, shard: int) -> list[Range] | None:
-        """The dataset's ``stage_ranges(shard)``, asked once per shard."""
-        if not self._ranged:
-            return None
-        try:
-            return self._ranges_of[shard]
-        except KeyError:
-            pass
-        spans = self.dataset.stage_ranges(shard)
-        if len(self._ranges_of) > 65536:
-            self._ranges_of.clear()
-        self._ranges_of[shard] = spans
-        return spans
-
-    def _stage_by_range(self, ranges: list[Range]) -> None:
-        """Fetches ranges into the cache as range entries, concurrently on the range
-        threads. What the cache holds already (the range, or its whole object) is not read;
-        what another thread of this loader is staging now is waited for, not fetched again
-        (the batch's own reads after this must not take the fetch from that thread, which
-        counts it); the rest counts as fetched."""
-        store = self.dataset.store
-        keys = list(dict.fromkeys(key for key, _, _ in ranges))
-        whole = dict(zip(keys, store.local_paths(keys), strict=True))
-        todo = [r for r in ranges if whole[r[0]] is None]
-        for r in ranges:
-            if whole[r[0]] is not None:
-                self._staged_ranges[r] = None
-
-        def fetch(r: Range) -> tuple[Range, int | BaseException]:
-            with self._fetching_lock:
-                elsewhere = self._fetching.get(r)
-                if elsewhere is None:
-                    done = self._fetching[r] = threading.Event()
-            if elsewhere is not None:
-                elsewhere.wait()  # that fetch's own timeouts and retries bound it
-                return r, 0
-            try:
-                return r, store.stage_range(*r)
-            except Exception as e:  # the reader meets it again, and raises it at its batch
-                return r, e
-            finally:
-                with self._fetching_lock:
-                    del self._fetching[r]
-                done.set()
-
-        for r, got in _range_pool().map(fetch, todo):
-            if isinstance(got, BaseException):
-                self.stats.count("stage_failed")
-                continue
-            self._staged_ranges[r] = None
-            if got:
-                self.stats.count("cache_misses")
-                self.stats.count("bytes_fetched", got)
-        while len(self._staged_ranges) > 65536:  # forget the oldest: only a repeat filter
-            del self._staged_ranges[next(iter(self._staged_ranges))]
-
-    def _hold_reads(self, reads: dict[str, int], samples: dict[str, int]) -> list[int]:
-        """The reads to stage each object with: its reads where they are at least half its
-        shard's samples, so that fetching it whole into memory pays if the cache turns it
-        away; else 0: not fetched into memory (a few samples of a large tar shard are read
-        as ranges from the remote), though a copy held for other batches serves them."""
-        holding = self.dataset.store.holding
-        out = []
-        for key, n in reads.items():
-            if 2 * n >= samples[key]:
-                out.append(n)
-            else:
-                holding.expect(key, n)
-                out.append(0)
-        return out
-
-    def _record(self, results: Sequence[StageResult]) -> None:
-        # "cached" is not counted: it may mean another thread of this loader just fetched it.
-        for r in results:
-            if r.outcome == "cached" or (r.outcome == "held" and not r.attempts):
-                continue  # nothing fetched (held without attempts: held already)
-            if r.outcome in ("fetched", "held"):
-                self.stats.count("cache_misses")
-                self.stats.count("bytes_fetched", r.nbytes)
-            if r.outcome != "fetched":
-                self.stats.count(f"stage_{r.outcome}")
-
-    # --- one batch ---------------------------------------------------------------------------
+        """Fetches the shards of batches ahead of their reads (:class:`StagingAhead`)."""
+        self.ahead.stage(batches, self.batched)
 
     def load(self, item: Any, epoch: int) -> Any:
         indices = [int(i) for i in item] if self.batched else [int(item)]
@@ -291,7 +157,7 @@ class BatchBuilder:
         hits are these minus what was fetched."""
         needed: list[Sequence[str | Range]] = []
         for shard in shards:
-            spans = self._stage_ranges(shard) if self._ranged else None
+            spans = self.ahead.ranges_of(shard)
             needed.append(self.dataset.shard_keys[shard] if spans is None else spans)
         with self._needed_lock:
             before = len(self._needed)
@@ -322,16 +188,16 @@ class BatchBuilder:
         paths: dict[str, Location | None] = dict(zip(reads, located, strict=True))
         self._note_needed(shards)
         if not self.holds and any(rs is None for rs in ranges):
-            self._stage_own([s for rs, s in zip(ranges, shards, strict=True) if rs is None])
+            self.ahead.stage_own([s for rs, s in zip(ranges, shards, strict=True) if rs is None])
         held: dict[str, memoryview] = {}
         missing = [
             key for key, path in paths.items() if path is None and not self._take(key, reads, held)
         ]
-        by_range = self._by_range(missing, reads, shard_samples)
+        by_range = self.ahead.by_range(missing, reads, shard_samples)
         missing = [key for key in missing if key not in by_range]
         if missing:  # not staged ahead (yet): fetch this batch's objects together
             wanted = {key: reads[key] for key in missing}
-            self._record(store.stage(missing, self._hold_reads(wanted, shard_samples)))
+            self.ahead.record(store.stage(missing, self.ahead.hold_reads(wanted, shard_samples)))
             for key in missing:
                 paths[key] = self._located(key)
                 if paths[key] is None:
@@ -374,55 +240,6 @@ class BatchBuilder:
                 samples.append(ds[index])
         return samples
 
-    def _stage_own(self, shards: list[int]) -> None:
-        """Stages now, as staging ahead would, what the shards this batch reads through
-        ``dataset[index]`` (Zarr, Parquet) need and the cache lacks, rather than let the
-        reads race ahead of staging with reads of their own: a shard's ``stage_ranges``
-        (fetched concurrently, and counted), else its objects whole (a sharded Zarr shard's
-        index and inner chunks were fetched by range, then the shard whole). Large objects
-        the batch reads little of (``_by_range``) are left to the dataset's reads. (With
-        ``holds``, batches are read after their staging round: no race.)"""
-        ds = self.dataset
-        reads: dict[str, int] = {}  # samples of this batch reading each object
-        samples: dict[str, int] = {}  # samples of the shard of each object
-        ranges: dict[Range, None] = {}
-        for shard in shards:
-            spans = self._stage_ranges(shard) if self._ranged else None
-            if spans is not None:
-                ranges.update((r, None) for r in spans if r not in self._staged_ranges)
-                continue
-            for key in ds.shard_keys[shard]:
-                reads[key] = reads.get(key, 0) + 1
-                samples[key] = ds.shard_sizes[shard]
-        if ranges:
-            self._stage_by_range(list(ranges))
-        if not reads:
-            return
-        store = ds.store
-        located = store.local_paths(list(reads))
-        missing = [key for key, at in zip(reads, located, strict=True) if at is None]
-        by_range = self._by_range(missing, reads, samples)
-        wanted = [key for key in missing if key not in by_range]
-        if wanted:  # here: this batch waits for them, not behind a staging round
-            self._record(store.stager.stage(store.objects(wanted), here=True))
-
-    def _by_range(
-        self, missing: list[str], reads: dict[str, int], shard_samples: dict[str, int]
-    ) -> set[str]:
-        """The missing objects this batch reads by byte range rather than waiting for them
-        whole: large shards of which it needs a few samples (a 150 MB tar shard for one
-        sample would hold the batch for seconds). Their ranges are cached as entries of
-        their own; staging ahead still brings the shards whole for the batches after."""
-        if not missing:
-            return set()
-        store = self.dataset.store
-        objects = store.objects(missing)
-        return {
-            key
-            for key, obj in zip(missing, objects, strict=True)
-            if (obj.size or 0) >= RANGED_MIN_BYTES and 2 * reads[key] < shard_samples[key]
-        }
-
     def _read_ranges(
         self, ranges: list[list[Range] | None], ranged: list[bool]
     ) -> dict[Range, bytes]:
@@ -431,7 +248,7 @@ class BatchBuilder:
             dict.fromkeys(r for rs, ok in zip(ranges, ranged, strict=True) if ok for r in rs or ())
         )
         store = self.dataset.store
-        data = _range_pool().map(lambda r: store.read_range(*r), wanted)
+        data = range_pool().map(lambda r: store.read_range(*r), wanted)
         return dict(zip(wanted, data, strict=True))
 
     def _take(self, key: str, reads: dict[str, int], held: dict[str, memoryview]) -> bool:

@@ -18,6 +18,7 @@ from fastload.datasets.zarr.chunks import (
     ZarrArray,
     _codec,
 )
+from fastload.staging import planner
 
 # The shard-index cache's second slot per shard key: this process reads that shard whole.
 _READ_WHOLE = 1
@@ -71,11 +72,11 @@ class ShardedReads(ShardedDataset):
     def _reads_whole(
         self, a: ZarrArray, spec: ShardSpec, key: str, shard_row: int, asked: tuple[int, int]
     ) -> bool:
-        """Whether this call reads shard ``key`` whole: asked to, or its rows need more than
-        half of the shard's inner chunks (within the array's extent; a block spans the
-        other axes, so the inner chunk-rows along axis 0 count), or more than half of a
-        dataset shard that reads this object (a secondary array's shards need not line up
-        with the primary's: a rank reading that dataset shard reads them too)."""
+        """Whether this call reads shard ``key`` whole: asked to, or (the planner's rule)
+        its rows need half of the shard's inner chunks or more (within the array's extent;
+        a block spans the other axes, so the inner chunk-rows along axis 0 count), or half
+        or more of a dataset shard that reads this object (a secondary array's shards need
+        not line up with the primary's: a rank reading that dataset shard reads them too)."""
         if self.shard_reads != "auto":
             return self.shard_reads == "whole"
         if self._fetching_whole(key):
@@ -85,13 +86,13 @@ class ShardedReads(ShardedDataset):
         last = min(a.shape[0], first + spec.shape[0]) - 1
         lo, hi = max(asked[0], first), min(asked[1] - 1, last)
         needed = hi // c - lo // c + 1 if hi >= lo else 1
-        if 2 * needed > last // c - first // c + 1:
+        if planner.fetch_whole(needed, last // c - first // c + 1):
             return True
         start, stop = asked
         for s in range(self.shard_of(start), self.shard_of(max(start, stop - 1)) + 1):
             begin, end = int(self.shard_offsets[s]), int(self.shard_offsets[s + 1])
             covered = min(stop, end) - max(start, begin)
-            if 2 * covered > end - begin and key in self.shard_keys[s]:
+            if planner.fetch_whole(covered, end - begin) and key in self.shard_keys[s]:
                 return True
         return False
 
