@@ -5,7 +5,7 @@ batch must have now staged for it here (``stage_own``)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastload.datasets.base import Range, ShardedDataset
@@ -35,22 +35,10 @@ class StagingAhead:
         ``batched``) that are not staged yet: their objects whole (held in memory where
         the cache turns them away and the planner says so), or their byte ranges."""
         ds = self.dataset
-        reads: dict[str, int] = {}  # samples of these batches reading each object
-        samples: dict[str, int] = {}  # samples of the shard of each object
-        ranges: dict[Range, None] = {}  # byte ranges to stage (shards with stage_ranges)
-        for batch in batches:
-            for index in batch if batched else [batch]:
-                shard = ds.shard_of(int(index))
-                spans = self.ranges_of(shard) if self._ranged else None
-                if spans is not None:
-                    ranges.update((r, None) for r in spans if r not in self._staged_ranges)
-                    continue
-                for key in ds.shard_keys[shard]:
-                    if key not in self._staged:
-                        reads[key] = reads.get(key, 0) + 1
-                        samples[key] = ds.shard_sizes[shard]
-        if ranges:
-            self.stage_by_range(list(ranges))
+        indices = (index for batch in batches for index in (batch if batched else [batch]))
+        reads, samples = self._ranges_staged(
+            (ds.shard_of(int(index)) for index in indices), skip_staged=True
+        )
         if not reads:
             return
         results = ds.store.stage(list(reads), self.hold_reads(reads, samples))
@@ -60,6 +48,29 @@ class StagingAhead:
         while len(self._staged) > 65536:  # forget the oldest: only a repeat filter
             del self._staged[next(iter(self._staged))]
         self.record(results)
+
+    def _ranges_staged(
+        self, shards: Iterable[int], *, skip_staged: bool
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Stages the byte ranges of those of shards read by range (one per sample read);
+        for the others, the samples reading each object and the samples of its shard
+        (``skip_staged``: leaving out objects staged recently)."""
+        ds = self.dataset
+        reads: dict[str, int] = {}
+        samples: dict[str, int] = {}
+        ranges: dict[Range, None] = {}
+        for shard in shards:
+            spans = self.ranges_of(shard)
+            if spans is not None:
+                ranges.update((r, None) for r in spans if r not in self._staged_ranges)
+                continue
+            for key in ds.shard_keys[shard]:
+                if not (skip_staged and key in self._staged):
+                    reads[key] = reads.get(key, 0) + 1
+                    samples[key] = ds.shard_sizes[shard]
+        if ranges:
+            self.stage_by_range(list(ranges))
+        return reads, samples
 
     def ranges_of(self, shard: int) -> list[Range] | None:
         """The dataset's ``stage_ranges(shard)``, asked once per shard."""
@@ -149,23 +160,10 @@ class StagingAhead:
         index and inner chunks were fetched by range, then the shard whole). Large objects
         the batch reads little of (``_by_range``) are left to the dataset's reads. (With
         ``holds``, batches are read after their staging round: no race.)"""
-        ds = self.dataset
-        reads: dict[str, int] = {}  # samples of this batch reading each object
-        samples: dict[str, int] = {}  # samples of the shard of each object
-        ranges: dict[Range, None] = {}
-        for shard in shards:
-            spans = self.ranges_of(shard) if self._ranged else None
-            if spans is not None:
-                ranges.update((r, None) for r in spans if r not in self._staged_ranges)
-                continue
-            for key in ds.shard_keys[shard]:
-                reads[key] = reads.get(key, 0) + 1
-                samples[key] = ds.shard_sizes[shard]
-        if ranges:
-            self.stage_by_range(list(ranges))
+        reads, samples = self._ranges_staged(shards, skip_staged=False)
         if not reads:
             return
-        store = ds.store
+        store = self.dataset.store
         located = store.local_paths(list(reads))
         missing = [key for key, at in zip(reads, located, strict=True) if at is None]
         by_range = self.by_range(missing, reads, samples)
