@@ -36,6 +36,7 @@ DEFAULT_DOCTOR_STEP_MS = 20.0
 if TYPE_CHECKING:
     from fastload.bench.e2e.e2e_bench import E2EConfig
     from fastload.bench.runner import Report
+    from fastload.warm import WarmReport
 
 _SIZE_UNITS = {
     "": 1,
@@ -96,8 +97,28 @@ def _count(n: int, noun: str) -> str:
 
 
 def _warm(args: argparse.Namespace) -> int:
-    from fastload.warm import NodeShare, warm
+    from fastload.warm import NodeShare, warm, warm_from_state
 
+    if (args.url is None) == (args.from_state is None):
+        raise UsageError("give the dataset's URL, or --from-state STATE (one of them)")
+    if args.from_state is not None:
+        if args.epochs is not None or args.format is not None:
+            raise UsageError("--from-state takes the epoch and format from the state")
+        try:
+            report = warm_from_state(
+                args.from_state,
+                ranks=args.rank,
+                world_size=args.world_size,
+                cache_dir=args.cache_dir,
+                jobs=args.jobs,
+                max_bytes=args.max_bytes,
+                policy=args.policy,
+                dry_run=args.dry_run,
+                progress=None if not args.json else False,
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return _print_warm(report, args)
     share = None
     given = [args.rank is not None, args.world_size is not None, args.epochs is not None]
     if any(given):
@@ -128,6 +149,10 @@ def _warm(args: argparse.Namespace) -> int:
         share=share,
         format=args.format if share is None else None,
     )
+    return _print_warm(report, args)
+
+
+def _print_warm(report: WarmReport, args: argparse.Namespace) -> int:
     entries = _count(report.objects, "object")
     if report.ranges:  # a node's share of Parquet row groups: byte ranges of files
         entries += f" and {_count(report.ranges, 'byte range')}"
@@ -443,7 +468,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     warm = sub.add_parser("warm", help="stage a dataset (or one node's share of it) into the cache")
-    warm.add_argument("url")
+    warm.add_argument("url", nargs="?", help="the dataset (or --from-state)")
+    warm.add_argument(
+        "--from-state",
+        metavar="STATE",
+        help="stage what a job resuming from this saved loader state reads next (its dataset "
+        "and plan from the state, the listing from the manifest snapshot beside it)",
+    )
     warm.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
     warm.add_argument(
         "--format",

@@ -31,6 +31,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -498,3 +499,50 @@ class _ListingLock:
 
     def __exit__(self, *exc: object) -> None:
         os.close(self._fd)  # closing drops the lock
+
+
+# --- snapshots beside a checkpoint ------------------------------------------------------------
+
+
+def save_snapshot(manifest: Manifest, directory: Path) -> dict[str, str]:
+    """manifest saved into directory as ``manifest-<digest>.flm`` (beside a checkpoint, for a
+    restart that must not list the remote again); returns ``{"file": name, "sha256": ...}``
+    for the state to name it by. Saving the same listing again writes nothing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    staged = directory / f".manifest.{os.getpid()}.tmp.flm"
+    if manifest.path is not None and manifest.path.exists():
+        shutil.copyfile(manifest.path, staged)
+    else:  # an in-memory listing; saving it must not repoint the one the dataset maps
+        mapped = manifest.path
+        manifest.save(staged)
+        manifest.path = mapped
+    digest = hashlib.sha256(staged.read_bytes()).hexdigest()
+    name = f"manifest-{digest[:24]}.flm"
+    os.replace(staged, directory / name)
+    return {"file": name, "sha256": digest}
+
+
+def load_snapshot(directory: Path, entry: dict[str, str]) -> Manifest:
+    """The snapshot a state names (``save_snapshot``'s entry), checked against its digest."""
+    path = directory / str(entry["file"])
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path}: the manifest snapshot this state names is missing; copy it beside the "
+            "state file (it was saved there with the state), or warm by URL instead"
+        ) from None
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ValueError(
+            f"{path} is not the manifest snapshot this state names (its sha256 differs): "
+            "copy the one saved with the state"
+        )
+    return Manifest.load(path)
+
+
+def install_snapshot(manifest: Manifest, cache_dir: Path, url: str) -> None:
+    """manifest made the node's listing of url in cache_dir (as if it had been listed
+    there), unless the node holds a listing of its own already."""
+    path = manifest_path(cache_dir, url)
+    if _load_saved(path, None, None) is None:
+        manifest.save(path)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastload.cache import PlanHint, Policy, range_url
+from fastload.cache import PlanHint, Policy, default_cache_dir, range_url
 from fastload.errors import RemoteError
-from fastload.plan import DEFAULT_WINDOW_SHARDS
+from fastload.manifest import install_snapshot, load_snapshot
+from fastload.plan import DEFAULT_WINDOW_SHARDS, ResumeState
 from fastload.progress import Progress, ProgressBar
 from fastload.remote import is_transient, public_url, scrub
 from fastload.staging import FetchConfig, StageResult
@@ -32,6 +36,8 @@ class NodeShare:
     shuffle: bool = True
     drop_last: bool = False
     window_shards: int = DEFAULT_WINDOW_SHARDS
+    # Where the first of ``epochs`` resumes (a loader's saved state): its rest, not all of it.
+    resume: ResumeState | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -61,7 +67,9 @@ class NodeShare:
             drop_last=self.drop_last,
             window_shards=self.window_shards,
         )
-        future = plan.future(self.epochs, world_size=self.world_size, ranks=self.ranks)
+        future = plan.future(
+            self.epochs, world_size=self.world_size, ranks=self.ranks, resume=self.resume
+        )
         keys, ranges = dataset.to_stage(future.first_needed)
         whole = set(keys)
         ranged = dataset.stages_by_range
@@ -304,3 +312,49 @@ def _range_cached(store: CachedStore, r: Range) -> bool:
     if cache.lookup(url, version=obj.version) is not None:
         return True
     return cache.lookup(url, version=obj.version, span=(offset, length)) is not None
+
+
+def warm_from_state(
+    state_path: str | os.PathLike[str],
+    *,
+    ranks: Sequence[int] | None = None,
+    world_size: int | None = None,
+    cache_dir: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    **warm_options: Any,
+) -> WarmReport:
+    """Stages exactly what a job resuming from a loader's saved state reads next (the rest
+    of its epoch, first batches first) for ``ranks`` of ``world_size`` (default: every rank
+    of the world that saved it). The dataset's listing comes from the manifest snapshot saved
+    beside the state (``loader.save_manifest``, or ``on_preempt``), installed as this
+    node's: neither this warm nor the job after it lists the remote. For a replacement
+    node, while the job is being rescheduled."""
+    path = Path(state_path)
+    try:
+        state = json.loads(path.read_text())
+        dataset, plan = state["dataset"], state["plan"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{path} is not a fastload loader state naming its dataset (loader.state_dict() "
+            f"of a fastload dataset, or the file on_preempt= writes): {exc!r}"
+        ) from None
+    resume = ResumeState.from_dict(plan)
+    world_size = world_size or int(state.get("world_size", 1))
+    share = NodeShare(
+        ranks=tuple(ranks) if ranks is not None else tuple(range(world_size)),
+        world_size=world_size,
+        epochs=(resume.epoch,),
+        format=str(dataset["format"]),
+        seed=resume.seed,
+        shuffle=resume.shuffle,
+        drop_last=resume.drop_last,
+        window_shards=resume.window_shards,
+        resume=resume,
+    )
+    url = str(dataset["url"])
+    if "manifest" in dataset:
+        manifest = load_snapshot(path.parent, dataset["manifest"])
+        install_snapshot(manifest, Path(cache_dir) if cache_dir else default_cache_dir(), url)
+    return warm(
+        url, cache_dir=cache_dir, storage_options=storage_options, share=share, **warm_options
+    )

@@ -18,12 +18,15 @@ batches are skipped without loading them (as torchdata's ``StatefulDataLoader`` 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import inspect
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,14 +39,20 @@ from fastload.decode import choose_backend, make_decoder
 from fastload.decode.base import Decoder
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.pipeline import Pipeline
+from fastload.loader.preemption import PreemptionHandler
 from fastload.loader.resume import ResumableIndex, replaying, rng_state, set_rng_state
 from fastload.loader.stats import LoaderStats
+from fastload.manifest import save_snapshot
 from fastload.plan import ResumeState
+from fastload.remote import public_url
 from fastload.sampler import ShardedSampler
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+# Steps whose state ``state_dict(step=k)`` can still give (a checkpoint callback may run a
+# step or two after the batch it checkpoints was delivered).
+DEFAULT_STATE_STEPS = 8
 # Bytes of samples staged ahead of the training step, by default.
 DEFAULT_LOOKAHEAD_BYTES = 1 << 30
 # The loader's threads (and the native ones they start) run this much below the training
@@ -114,6 +123,8 @@ class DataLoader(tud.DataLoader[Any]):
         lookahead_bytes: int | None = None,
         ring_slots: int | None = None,
         thread_nice: int = DEFAULT_THREAD_NICE,
+        state_steps: int = DEFAULT_STATE_STEPS,
+        on_preempt: str | os.PathLike[str] | None = None,
     ) -> None:
         cache_settings: dict[str, Any] = {
             "cache_dir": cache_dir,
@@ -189,6 +200,8 @@ class DataLoader(tud.DataLoader[Any]):
             raise ValueError(f"prefetch_batches must be >= 1, got {prefetch_batches}")
         if ring_slots is not None and ring_slots < 1:
             raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
+        if state_steps < 1:
+            raise ValueError(f"state_steps must be >= 1, got {state_steps}")
         if not 0 <= thread_nice <= 19:
             raise ValueError(
                 f"thread_nice must be within 0..19 (a nice increment), got {thread_nice}"
@@ -215,6 +228,19 @@ class DataLoader(tud.DataLoader[Any]):
         self._ring: Any = None
         self._live: weakref.ref[_Iteration] | None = None
         self._closed = False
+        self.step = 0  # batches delivered to the training loop so far, across epochs
+        # The last state_steps deliveries: (step, the pass, its batches and samples then).
+        self._recent: collections.deque[tuple[int, _Iteration, int, int]] = collections.deque(
+            maxlen=state_steps
+        )
+        self._manifest_snapshot: dict[str, str] | None = None
+        self._preemption: PreemptionHandler | None = None
+        if on_preempt is not None:
+            self._preemption = PreemptionHandler(on_preempt, self.state_dict)
+            if isinstance(self.dataset, ShardedDataset):
+                # Beside the state, once: the state's handler has only its JSON to write.
+                self.save_manifest(self._preemption.path.parent)
+            self._preemption.install()
 
     # --- torch's hooks -------------------------------------------------------------------------
 
@@ -434,27 +460,43 @@ class DataLoader(tud.DataLoader[Any]):
 
     # --- state ---------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """Where the loader is, as JSON-serializable values: load it into a loader over the
-        same dataset (any world size or workers, for a fastload dataset) to continue."""
+        same dataset (any world size or workers, for a fastload dataset) to continue.
+
+        ``step``: where it was right after delivering step ``step`` (``loader.step`` counts
+        the batches delivered), for any of the last ``state_steps`` steps of this pass, so
+        that a checkpoint of the model at step k saves the loader at k, whatever the
+        loader has prefetched or delivered since."""
         state: dict[str, Any] = {"fastload_loader": STATE_VERSION, "epoch": self._epoch}
+        state["step"] = self.step
+        if isinstance(self.dataset, ShardedDataset):
+            state["dataset"] = self._dataset_state()
         if self._pending is not None:
-            return {**self._pending, "epoch": self._epoch}
+            return {**self._pending, **state}
         live = None if self._live is None else self._live()
         running = live is not None and not live.finished
+        batches = samples = 0
+        if live is not None and running:
+            batches, samples = live.batches, live.samples
+        if step is not None:
+            live, batches, samples = self._delivery_at(step)
+            running = True
+            state["step"] = step
         if self._plan_sampler is not None:
             if running:
                 assert live is not None
                 assert live.plan_start is not None
-                consumed = live.samples if live.counted else self._consumed_by_batches(live)
+                consumed = samples if live.counted else self._consumed_by(live, batches)
                 resume = live.plan_start.then(self._plan_sampler.world_size, consumed)
+                state["world_size"] = self._plan_sampler.world_size  # the same on every rank
             else:
                 resume = self._plan_sampler.upcoming_state()
             state["plan"] = resume.to_dict()
             return state
         if running:
             assert live is not None
-            state["batches"] = live.batches_before + live.batches
+            state["batches"] = live.batches_before + batches
             state.update(live.torch_state)
             state["rng_index"] = None if live.index_pass is None else live.index_pass.started_from
         else:
@@ -464,10 +506,50 @@ class DataLoader(tud.DataLoader[Any]):
             state["sampler"] = self._sampler_state(None)
         return state
 
-    def _consumed_by_batches(self, live: _Iteration) -> int:
+    def _consumed_by(self, live: _Iteration, batches: int) -> int:
         assert self._plan_sampler is not None
-        total = live.batches_before + live.batches
+        total = live.batches_before + batches
         return min(total * (self.batch_size or 1), len(self._plan_sampler))
+
+    def _delivery_at(self, step: int) -> tuple[_Iteration, int, int]:
+        """(the pass, its batches, its samples) right after step was delivered."""
+        live = None if self._live is None else self._live()
+        for at, iteration, batches, samples in self._recent:
+            if at == step and iteration is live:
+                return iteration, batches, samples
+        kept = [at for at, iteration, _, _ in self._recent if iteration is live]
+        where = f"steps {kept[0]}..{kept[-1]}" if kept else "no step of this pass yet"
+        raise ValueError(
+            f"the loader keeps the state of its last {self._recent.maxlen} steps of the "
+            f"running pass ({where}), not step {step}: ask for it sooner, or raise "
+            "state_steps"
+        )
+
+    def _delivered(self, iteration: _Iteration) -> None:
+        self.step += 1
+        self._recent.append((self.step, iteration, iteration.batches, iteration.samples))
+
+    def _dataset_state(self) -> dict[str, Any]:
+        """What a restart needs to find the dataset again without listing it: its URL (no
+        credentials), its format and the manifest snapshot saved beside the state, if any."""
+        dataset = self.dataset
+        assert isinstance(dataset, ShardedDataset)
+        state: dict[str, Any] = {
+            "url": public_url(dataset.store.config.url),
+            "format": dataset.format,
+        }
+        if self._manifest_snapshot is not None:
+            state["manifest"] = self._manifest_snapshot
+        return state
+
+    def save_manifest(self, directory: str | os.PathLike[str]) -> dict[str, str]:
+        """Saves the dataset's listing into directory (beside a checkpoint) and names it in
+        this loader's ``state_dict()``, so that a restart on a node whose cache lacks it
+        (``fastload warm --from-state``) does not list the remote again."""
+        if not isinstance(self.dataset, ShardedDataset):
+            raise ValueError("save_manifest() is for a fastload dataset (fl.open_dataset)")
+        self._manifest_snapshot = save_snapshot(self.dataset.store.manifest, Path(directory))
+        return self._manifest_snapshot
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The next iteration continues from ``state`` (from ``state_dict()``)."""
@@ -478,6 +560,8 @@ class DataLoader(tud.DataLoader[Any]):
             )
         self._drop_iterations()
         epoch = int(state.get("epoch", 0))
+        self.step = int(state.get("step", 0))
+        self._recent.clear()
         if self._plan_sampler is not None:
             if "plan" not in state:
                 raise ValueError(
@@ -538,6 +622,8 @@ class DataLoader(tud.DataLoader[Any]):
         if self.__dict__.get("_closed", True):
             return
         self._closed = True
+        if self._preemption is not None:
+            self._preemption.uninstall()
         self._drop_iterations()
         if self._decoder is not None:
             self._decoder.close()
@@ -621,6 +707,7 @@ class _Iteration:
         batch = self._loader._deliver(batch)
         self.batches += 1
         self.samples += samples
+        self._loader._delivered(self)
         done = time.perf_counter()
         self._stats.add("wait", done - now)
         self._returned_at = done

@@ -1,0 +1,81 @@
+"""The loader's state written when the job is told to stop: a Spot/preemptible node gets
+SIGTERM (AWS up to 120 s, GKE ~30 s before SIGKILL), and a restart that resumes from the
+last consumed step costs seconds instead of a replayed epoch.
+
+Installed only when asked (``fl.DataLoader(..., on_preempt=path)``), in the main thread,
+chained to whatever handler was there: the state is written first (a few KB of JSON,
+atomically: a unique file beside ``path``, created exclusively, then renamed over it), then
+the previous handler runs, so the script's own checkpoint still runs. Nothing of the
+loader is stopped: its threads and any staging process live until the process exits, and
+the default action (exit) is taken only where no handler of the script's was there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """data as path's whole content, never half written: a new file beside it, created
+    exclusively (a planted link is not followed), fsynced, renamed over path."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+class PreemptionHandler:
+    """SIGTERM → ``state()`` written to ``path`` as JSON, then the previous handler."""
+
+    def __init__(self, path: str | os.PathLike[str], state: Callable[[], dict[str, Any]]) -> None:
+        self.path = Path(path)
+        self._state = state
+        self._previous: Handler = None
+        self._installed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError(
+                "on_preempt installs a SIGTERM handler, which Python allows only in the main "
+                "thread: create the DataLoader there (or write loader.state_dict() yourself)"
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._handle)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        """Puts the previous handler back, if this one is still the current one."""
+        if self._installed and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) == self._handle:
+                signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False
+
+    def write(self) -> None:
+        write_atomically(self.path, json.dumps(self._state()).encode())
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.write()
+        previous = self._previous
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            # What would have happened without us: the process ends (its threads with it).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
