@@ -305,6 +305,7 @@ def _bench_components(args: argparse.Namespace) -> int:
         loader_bench,
         parquet_bench,
         policy_bench,
+        preemption_bench,
         read_bench,
         stage_bench,
     )
@@ -343,6 +344,14 @@ def _bench_components(args: argparse.Namespace) -> int:
             lambda d: parquet_bench.run(d, parquet),
         ),
     ]
+    if not quick:  # subprocesses restarted over a 1.28 M-object listing: minutes, not seconds
+        benchmarks.append(
+            (
+                "a Spot preemption: SIGTERM, then restarts on a warm and an empty node",
+                data / "preemption",
+                lambda d: preemption_bench.run(d),
+            )
+        )
     for title, where, run in benchmarks:
         print(f"fastload {fastload.__version__} bench: {title} (data in {where})", flush=True)
         report = run(where)
