@@ -19,7 +19,9 @@ from typing import TypeAlias
 
 import xxhash
 
+from fastload.cache import compaction
 from fastload.cache.config import CacheConfig, Policy, default_cache_dir
+from fastload.cache.eviction import PlanRanking, Victim, lru_order, plan_order
 from fastload.cache.index import Entry, Index
 from fastload.cache.locks import FetchLock, FetchLocks
 from fastload.cache.storage import Location, PartFile, Storage, disk_error
@@ -70,8 +72,9 @@ class PlanHint:
 
     def __init__(self, order: Sequence[str]) -> None:
         self._positions: dict[str, list[int]] = {}
-        for i, url in enumerate(order):
-            self._positions.setdefault(object_id(url), []).append(i)
+        self.order_ids = [object_id(url) for url in order]  # the entry id at each position
+        for i, oid in enumerate(self.order_ids):
+            self._positions.setdefault(oid, []).append(i)
         self.position = 0
         self.length = len(order)
 
@@ -99,9 +102,7 @@ class _Publication:
     done: bool = False
 
 
-# An eviction candidate: ("file", entry id, bytes) or ("segment", segment number, bytes).
-_Victim: TypeAlias = tuple[str, str | int, int]
-_FILES = "SELECT id, size, last_use FROM objects WHERE segment IS NULL AND id != ?"
+_LOW_WATER = 0.01  # one eviction may free this share of max_bytes beyond what is needed
 
 
 def _same_bytes(a: Entry, b: Entry) -> bool:
@@ -163,6 +164,9 @@ class Cache:
         # ``plan`` ranks entries one by one, so it keeps each in a file of its own.
         self._packs = policy != "plan" and self.storage.segment_entry_max > 0
         self.plan: PlanHint | None = None
+        self._ranking: PlanRanking | None = None  # plan's victims, kept in step with self.plan
+        self.compaction_credit = 0  # bytes compaction may still copy (compaction.py)
+        self.pending_rewrites: list[compaction.Rewrite] = []  # done when their commit is
         self._sweep()
 
     def _sweep(self) -> None:
@@ -373,6 +377,8 @@ class Cache:
                             path = storage.place_file(part, item.oid)
                             self.index.add(db, [self._entry(item, None, 0)])
                             item.location = Location(path, 0, part.size)
+                            if self._ranking is not None:
+                                self._ranking.add(item.oid)
                     except CacheError as exc:
                         part.discard()
                         item.error = exc
@@ -401,7 +407,9 @@ class Cache:
                             item.oid, segment, position, item.part.size
                         )
                         item.part.chunks = None
+            self.finish_rewrites(committed=True)
         except BaseException as exc:
+            self.finish_rewrites(committed=False)
             # Bytes appended but not recorded: never append after them (a later record would
             # lie past the recorded size). The next open cuts them off.
             storage.seal()
@@ -437,6 +445,9 @@ class Cache:
     # --- eviction ----------------------------------------------------------------------------
 
     def _make_room(self, db: sqlite3.Connection, oid: str, size: int) -> bool:
+        """Evicts by policy until size more bytes fit, and then on down to a low-water
+        mark (up to 1% of max_bytes more, in victim order) so the next publishes need no
+        eviction: its cost is shared by many publishes."""
         max_bytes = self.config.max_bytes
         if max_bytes is None:
             return True
@@ -445,21 +456,28 @@ class Cache:
         need = Index.total(db) - freed_by_replacing + size - max_bytes
         if need <= 0:
             return True
-        if size > max_bytes or self.config.policy == "pin":
+        if size > max_bytes:
             return False
-        chosen: list[tuple[_Victim, int]] = []
+        if self.config.policy == "pin":
+            # Nothing cached is given up; space dead inside segments is won back instead.
+            compaction.compact(self, db, need_bytes=need, io_bytes=compaction.io_budget(size))
+            return Index.total(db) - freed_by_replacing + size <= max_bytes
+        slack = int(max_bytes * _LOW_WATER)
+        chosen: list[tuple[Victim, int]] = []
+        chosen_files: list[str] = []
         freed = 0
         try:
             for victim in self._victims(db, oid):
-                if freed >= need:
+                if freed >= need and freed + victim.size > need + slack:
                     break
                 fd = self.storage.lock_unused(self._victim_path(victim))
                 if fd is None:
                     continue  # in use: never evicted
                 chosen.append((victim, fd))
-                freed += victim[2]
+                freed += victim.size
             if freed < need:
                 return False
+            chosen_files = [str(v.key) for v, _ in chosen if v.kind == "file"]
             for (kind, key, _), _fd in chosen:
                 if kind == "segment":
                     assert isinstance(key, int)
@@ -475,49 +493,72 @@ class Cache:
         finally:
             for _, fd in chosen:
                 os.close(fd)
+            if self._ranking is not None:
+                self._ranking.settle(chosen_files)
 
-    def _victim_path(self, victim: _Victim) -> str:
-        kind, key, _ = victim
-        if kind == "segment":
-            assert isinstance(key, int)
-            return self.storage.segment_path(key)
-        assert isinstance(key, str)
-        return self.storage.object_path(key)
+    def _victim_path(self, victim: Victim) -> str:
+        if victim.kind == "segment":
+            assert isinstance(victim.key, int)
+            return self.storage.segment_path(victim.key)
+        assert isinstance(victim.key, str)
+        return self.storage.object_path(victim.key)
 
-    def _victims(self, db: sqlite3.Connection, oid: str) -> list[_Victim]:
-        """What to evict first to make room for oid: ``plan``: furthest next use first,
-        and nothing needed sooner than oid; ``lru`` (and ``plan`` without a plan): least
-        recently used first. A segment goes whole: it counts as used when any entry in it
-        was, and as needed when any entry in it is."""
+    def _victims(self, db: sqlite3.Connection, oid: str) -> Iterator[Victim]:
+        """What to evict first to make room for oid, lazily (``eviction.py``): ``plan``:
+        furthest next use first, and nothing needed sooner than oid; ``lru`` (and ``plan``
+        without a plan): least recently used first. A segment goes whole: it counts as used
+        when any entry in it was, and as needed when any entry in it is."""
         plan = self.plan
         if self.config.policy != "plan" or plan is None:
-            return self._lru_victims(db, oid)
-        mine = plan.next_use(oid)
-        ranked: list[tuple[float, _Victim]] = [
-            (plan.next_use(r[0]), ("file", r[0], r[1])) for r in db.execute(_FILES, (oid,))
-        ]
-        soonest: dict[int, float] = {}
-        for member, segment in db.execute(
-            "SELECT id, segment FROM objects WHERE segment IS NOT NULL"
-        ):
-            soonest[segment] = min(soonest.get(segment, float("inf")), plan.next_use(member))
-        for segment, size in db.execute("SELECT id, size FROM segments"):
-            ranked.append((soonest.get(segment, float("inf")), ("segment", segment, size)))
-        ranked.sort(key=lambda r: r[0], reverse=True)
-        return [victim for when, victim in ranked if when > mine]
-
-    def _lru_victims(self, db: sqlite3.Connection, oid: str) -> list[_Victim]:
-        self.index.write_uses(db)
-        rows = db.execute(
-            f"SELECT 'file', id, size, last_use FROM ({_FILES}) "
-            "UNION ALL SELECT 'segment', s.id, s.size, COALESCE(MAX(o.last_use), 0) "
-            "FROM segments s LEFT JOIN objects o ON o.segment = s.id GROUP BY s.id "
-            "ORDER BY 4",
-            (oid,),
-        ).fetchall()
-        return [(kind, key, size) for kind, key, size, _ in rows]
+            self.index.write_uses(db)
+            return lru_order(db, oid)
+        ranking = self._ranking
+        if ranking is None or ranking.plan is not plan:
+            ranking = self._ranking = PlanRanking(plan, db)
+        else:
+            ranking.refresh(db)
+        segments = db.execute("SELECT 1 FROM segments LIMIT 1").fetchone() is not None
+        return plan_order(db, ranking, oid, segments)
 
     # --- maintenance -------------------------------------------------------------------------
+
+    def finish_rewrites(self, *, committed: bool) -> None:
+        """After the transaction that moved rows to rewritten segments (compaction.py)."""
+        rewrites, self.pending_rewrites = self.pending_rewrites, []
+        for rewrite in rewrites:
+            rewrite.finish(committed)
+
+    def compact(self, *, live_fraction: float = compaction.LIVE_FRACTION) -> tuple[int, int]:
+        """Rewrites every segment less live than live_fraction that no reader holds, one
+        transaction each (see compaction.py); returns (segments rewritten, bytes freed)."""
+        if not 0 < live_fraction <= 1:
+            raise ValueError(f"live_fraction must be in (0, 1], got {live_fraction}")
+        rewritten = freed = 0
+        done: set[int] = set()
+        while True:
+            with self._lock:
+                try:
+                    with self.index.transaction() as db:
+                        rows = db.execute(
+                            "SELECT id, size, live FROM segments WHERE live < size * ?"
+                            " AND size > 0 ORDER BY id",
+                            (live_fraction,),
+                        ).fetchall()
+                        todo = [r for r in rows if r[0] not in done and r[0] != self._active()]
+                        if not todo:
+                            return rewritten, freed
+                        segment, size, live = todo[0]
+                        done.add(segment)
+                        if compaction.rewrite_segment(self, db, segment) is not None:
+                            rewritten += 1
+                            freed += size - live
+                except BaseException:
+                    self.finish_rewrites(committed=False)
+                    raise
+                self.finish_rewrites(committed=True)
+
+    def _active(self) -> int | None:
+        return self.storage.active_segment()
 
     def drop(self, url: str, span: Span | None = None) -> bool:
         """Removes url (its range span) from the cache unless a reader holds it; True if it
@@ -540,6 +581,8 @@ class Cache:
             try:
                 self.storage.remove(self.storage.object_path(oid))
                 self.index.remove(db, entry)
+                if self._ranking is not None:
+                    self._ranking.discard(oid)
             finally:
                 os.close(fd)
         return True
@@ -620,7 +663,8 @@ class Cache:
         at most to_bytes remain on disk; returns how many entries were removed."""
         removed = 0
         with self.index.transaction() as db:
-            for kind, key, _ in self._lru_victims(db, ""):
+            self.index.write_uses(db)
+            for kind, key, _ in lru_order(db, ""):
                 if Index.total(db) <= to_bytes:
                     break
                 if kind == "segment":
