@@ -223,6 +223,14 @@ def _cache(args: argparse.Namespace) -> int:
                 args.json,
                 f"evicted {removed:,} objects; {cache.used_bytes() / 1e6:,.1f} MB remain",
             )
+        elif args.action == "compact":
+            rewritten, freed = cache.compact()
+            _print(
+                {"segments": rewritten, "freed_bytes": freed, "bytes": cache.used_bytes()},
+                args.json,
+                f"rewrote {rewritten:,} segments, freed {freed / 1e6:,.1f} MB; "
+                f"{cache.used_bytes() / 1e6:,.1f} MB on disk",
+            )
         else:  # clear
             removed = cache.clear()
             _print({"removed": removed}, args.json, f"removed {removed:,} objects")
@@ -487,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     index.set_defaults(run=_index)
 
     cache = sub.add_parser("cache", help="inspect and maintain the local cache")
-    cache.add_argument("action", choices=["ls", "du", "verify", "evict", "clear"])
+    cache.add_argument("action", choices=["ls", "du", "verify", "evict", "compact", "clear"])
     cache.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
     cache.add_argument("--max-bytes", type=parse_size, help="evict: keep at most this much")
     cache.add_argument("--json", action="store_true")

@@ -18,9 +18,11 @@ Safety, the same rules as eviction and publication:
   leaves the old file unknown (removed the same way). Nothing is ever counted twice: the
   totals change in the transaction that moves the rows.
 
-It runs on a budget of I/O: when ``pin`` is over budget, a publish may copy a few times its
-own size (credit accrues per publish); ``Cache.compact`` (``fastload cache compact``) has
-no limit.
+It runs on a budget of I/O: when ``pin`` is over budget, compaction may copy what credit
+allows, least live segment first; credit is one segment's worth when the cache opens, grows
+by ``IO_PER_BYTE`` bytes per byte a publish needs, and is capped at two segments' worth, so
+no publish copies more than that. ``Cache.compact`` (``fastload cache compact``) has no
+limit.
 """
 
 from __future__ import annotations

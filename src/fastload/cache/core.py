@@ -165,7 +165,8 @@ class Cache:
         self._packs = policy != "plan" and self.storage.segment_entry_max > 0
         self.plan: PlanHint | None = None
         self._ranking: PlanRanking | None = None  # plan's victims, kept in step with self.plan
-        self.compaction_credit = 0  # bytes compaction may still copy (compaction.py)
+        # Bytes compaction may still copy (compaction.py): one segment's worth to start with.
+        self.compaction_credit = self.storage.segment_bytes
         self.pending_rewrites: list[compaction.Rewrite] = []  # done when their commit is
         self._sweep()
 
