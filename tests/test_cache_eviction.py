@@ -208,7 +208,7 @@ def test_a_publish_evicts_what_the_reference_evicts(
 
 def test_a_million_entry_cache_opens_and_evicts_least_recent_first(tmp_path: Path) -> None:
     """Synthetic rows (no files: eviction of a missing file is a no-op) at toy sizes."""
-    n, size = 1_000_000, 100
+    n, size = 1_000_000, 60
     with Cache(tmp_path, segment_bytes=0):
         pass
     with sqlite3.connect(tmp_path / "index.sqlite") as db:
@@ -218,13 +218,21 @@ def test_a_million_entry_cache_opens_and_evicts_least_recent_first(tmp_path: Pat
             ((f"{i:032x}", f"s3://b/{i}", size, float(i)) for i in range(n)),
         )
         db.execute("UPDATE totals SET value = ? WHERE name = 'bytes'", (n * size,))
-    with Cache(tmp_path, max_bytes=n * size, segment_bytes=0) as cache:
-        assert put(cache, "s3://b/new", 1000)
-        with cache.index.transaction() as db:
-            (left,) = db.execute("SELECT COUNT(*) FROM objects").fetchone()
-            (oldest,) = db.execute("SELECT MIN(last_use) FROM objects").fetchone()
-        evicted = n + 1 - left
-        # the 10 needed, then on to the low-water mark (1% of the budget: 10,000 more)
-        assert 10 <= evicted <= 10 + n // 100
-        assert oldest == float(evicted)  # exactly the least recently used went
-        assert cache.used_bytes() <= n * size
+        db.execute("UPDATE totals SET value = ? WHERE name = 'files'", (n,))
+    for counts_disk in (False, True):  # entries' bytes only (a budget under 64 MiB); all
+        with Cache(tmp_path, segment_bytes=0) as cache:
+            max_bytes = cache.disk_bytes() if counts_disk else cache.used_bytes()
+        with Cache(tmp_path, max_bytes=max_bytes, segment_bytes=0) as cache:
+            with cache.index.transaction() as db:
+                (before,) = db.execute("SELECT COUNT(*) FROM objects").fetchone()
+                (oldest_before,) = db.execute("SELECT MIN(last_use) FROM objects").fetchone()
+            assert put(cache, f"s3://b/new{max_bytes}", 1000)
+            with cache.index.transaction() as db:
+                (left,) = db.execute("SELECT COUNT(*) FROM objects").fetchone()
+                (oldest,) = db.execute("SELECT MIN(last_use) FROM objects").fetchone()
+            evicted = before + 1 - left
+            # what was needed, then on to the low-water mark (1% of the budget)
+            assert 1 <= evicted <= (1000 + max_bytes // 100) // size + 2
+            assert oldest == oldest_before + evicted  # exactly the least recently used went
+            assert cache.counts_disk is counts_disk
+            assert cache.used_bytes() <= max_bytes

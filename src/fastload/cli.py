@@ -179,6 +179,7 @@ def _index(args: argparse.Namespace) -> int:
 
 def _cache(args: argparse.Namespace) -> int:
     from fastload.cache import Cache
+    from fastload.cache.budget import allocated_under
 
     with Cache(args.cache_dir, create=False) as cache:
         if args.action == "ls":
@@ -192,6 +193,7 @@ def _cache(args: argparse.Namespace) -> int:
             entries = cache.entries()
             used, on_disk = sum(e.size for e in entries), cache.used_bytes()
             index = cache.index.file_bytes()
+            allocated, counted = allocated_under(cache.dir), cache.disk_bytes()
             _print(
                 {
                     "cache_dir": str(cache.dir),
@@ -199,10 +201,14 @@ def _cache(args: argparse.Namespace) -> int:
                     "bytes": used,
                     "bytes_on_disk": on_disk,  # what the budget counts: dead bytes too
                     "index_bytes": index,
+                    "disk_bytes": counted,  # all of it, as a budget of 64 MiB or more counts
+                    "allocated_bytes": allocated,  # the file system's blocks, everything
                 },
                 args.json,
                 f"{used / 1e6:,.1f} MB in {len(entries):,} entries under {cache.dir}; "
-                f"{on_disk / 1e6:,.1f} MB on disk, index {index / 1e6:,.1f} MB",
+                f"{on_disk / 1e6:,.1f} MB counted by the budget, index {index / 1e6:,.1f} MB; "
+                f"{counted / 1e6:,.1f} MB on disk by fastload's count, "
+                f"{allocated / 1e6:,.1f} MB by the file system's",
             )
         elif args.action == "verify":
             problems = cache.verify(repair=True)

@@ -19,7 +19,7 @@ from typing import TypeAlias
 
 import xxhash
 
-from fastload.cache import compaction
+from fastload.cache import budget, compaction
 from fastload.cache.config import CacheConfig, Policy, default_cache_dir
 from fastload.cache.eviction import PlanRanking, Victim, lru_order, plan_order
 from fastload.cache.index import Entry, Index
@@ -158,6 +158,14 @@ class Cache:
             ) from exc
         self.fetch_locks = FetchLocks.for_path(self.dir / "fetch.lock")
         self.index = Index(self.dir)
+        # What the budget counts (budget.py): everything on disk, or (toy budgets) entries.
+        self.counts_disk = budget.counts_disk(max_bytes)
+        self._block = budget.block_size(self.dir) if self.counts_disk else 0
+        self.metadata = budget.Metadata(self.dir)
+        if max_bytes is not None and self.counts_disk and self.metadata.bytes() >= max_bytes:
+            overhead = self.metadata.bytes()
+            self.index.close()
+            raise budget.too_small(self.dir, max_bytes, overhead)
         self._lock = self.index.lock  # serializes this process's writes
         self._pending: list[_Publication] = []  # parts waiting for the next group commit
         self._pending_lock = threading.Lock()
@@ -187,9 +195,16 @@ class Cache:
         return self.index.entries()
 
     def used_bytes(self) -> int:
-        """Bytes on disk of everything cached: own files, and segments whole (dead bytes
-        included)."""
-        return self.index.used_bytes()
+        """What the budget counts (budget.py): under a budget of 64 MiB or more, everything
+        on disk (entries by their blocks, and the metadata); else the entries' bytes: own
+        files, and segments whole (dead bytes included)."""
+        return self.disk_bytes() if self.counts_disk else self.index.used_bytes()
+
+    def disk_bytes(self) -> int:
+        """Everything the cache has on disk as a budget of 64 MiB or more counts it: the
+        entries, a block more per file, and the metadata measured (budget.py)."""
+        index, block = self.index, self._block or budget.block_size(self.dir)
+        return index.used_bytes() + index.file_count() * block + self.metadata.bytes()
 
     def touch(self, urls: Sequence[str]) -> None:
         """Records a use of each url now (what ``lru`` orders by)."""
@@ -365,15 +380,17 @@ class Cache:
         try:
             with self.index.transaction() as db:
                 packed: list[_Publication] = []
+                queued = 0  # packed bytes admitted, recorded only after the loop
                 for item in batch:
                     part = item.part
                     item.oid = entry_id(part.url, part.span)
                     try:
-                        if not self._make_room(db, item.oid, part.size):
+                        if not self._make_room(db, item.oid, part.size, queued):
                             part.discard()
                             continue
                         if part.in_memory:
                             packed.append(item)
+                            queued += part.size
                         else:
                             path = storage.place_file(part, item.oid)
                             self.index.add(db, [self._entry(item, None, 0)])
@@ -409,6 +426,7 @@ class Cache:
                         )
                         item.part.chunks = None
             self.finish_rewrites(committed=True)
+            self.metadata.published(sum(item.location is not None for item in batch))
         except BaseException as exc:
             self.finish_rewrites(committed=False)
             # Bytes appended but not recorded: never append after them (a later record would
@@ -445,37 +463,38 @@ class Cache:
 
     # --- eviction ----------------------------------------------------------------------------
 
-    def _make_room(self, db: sqlite3.Connection, oid: str, size: int) -> bool:
-        """Evicts by policy until size more bytes fit, and then on down to a low-water
-        mark (up to 1% of max_bytes more, in victim order) so the next publishes need no
-        eviction: its cost is shared by many publishes."""
+    def _make_room(self, db: sqlite3.Connection, oid: str, size: int, queued: int = 0) -> bool:
+        """Evicts by policy until size more bytes fit (after ``queued`` bytes admitted
+        earlier in the same batch), and then on down to a low-water mark (up to 1% of
+        max_bytes more, in victim order) so the next publishes need no eviction: its cost
+        is shared by many publishes."""
         max_bytes = self.config.max_bytes
         if max_bytes is None:
             return True
-        old = Index.row(db, oid)
-        freed_by_replacing = old.size if old is not None and old.segment is None else 0
-        need = Index.total(db) - freed_by_replacing + size - max_bytes
+        need = self._overshoot(db, oid, size + queued, max_bytes)
         if need <= 0:
             return True
-        if size > max_bytes:
+        if size + self._charge(0) > max_bytes:
             return False
+        if self.counts_disk and (overhead := self.metadata.bytes()) >= max_bytes:
+            raise budget.too_small(self.dir, max_bytes, overhead)
         if self.config.policy == "pin":
             # Nothing cached is given up; space dead inside segments is won back instead.
             compaction.compact(self, db, need_bytes=need, io_bytes=compaction.io_budget(size))
-            return Index.total(db) - freed_by_replacing + size <= max_bytes
+            return self._overshoot(db, oid, size + queued, max_bytes) <= 0
         slack = int(max_bytes * _LOW_WATER)
         chosen: list[tuple[Victim, int]] = []
         chosen_files: list[str] = []
         freed = 0
         try:
             for victim in self._victims(db, oid):
-                if freed >= need and freed + victim.size > need + slack:
+                if freed >= need and freed + self._charge(victim.size) > need + slack:
                     break
                 fd = self.storage.lock_unused(self._victim_path(victim))
                 if fd is None:
                     continue  # in use: never evicted
                 chosen.append((victim, fd))
-                freed += victim.size
+                freed += self._charge(victim.size)
             if freed < need:
                 return False
             chosen_files = [str(v.key) for v, _ in chosen if v.kind == "file"]
@@ -496,6 +515,20 @@ class Cache:
                 os.close(fd)
             if self._ranking is not None:
                 self._ranking.settle(chosen_files)
+
+    def _charge(self, size: int) -> int:
+        """What a file of size bytes counts against the budget (budget.py)."""
+        return size + self._block if self.counts_disk else size
+
+    def _overshoot(self, db: sqlite3.Connection, oid: str, size: int, max_bytes: int) -> int:
+        """By how much publishing size bytes as oid would exceed max_bytes (<= 0: it fits)."""
+        old = Index.row(db, oid)
+        replacing = self._charge(old.size) if old is not None and old.segment is None else 0
+        total = Index.total(db)
+        if not self.counts_disk:
+            return total - replacing + size - max_bytes
+        on_disk = total + Index.files(db) * self._block + self.metadata.bytes()
+        return on_disk - replacing + self._charge(size) + budget.ROW_BYTES - max_bytes
 
     def _victim_path(self, victim: Victim) -> str:
         if victim.kind == "segment":

@@ -8,8 +8,10 @@ Tables:
   NULL) or ``[position, position + size)`` of a segment file.
 - ``segments``: the segment files, each with its size on disk (dead bytes included), its
   live bytes, and the latest use of an entry in it (what ``lru`` ranks a segment by).
-- ``totals``: the bytes on disk of everything recorded (own files plus whole segments),
-  kept by the same transactions that change the rows, so a budget check reads one row.
+- ``totals``: ``bytes``, the length of everything recorded (own files plus whole
+  segments), and ``files``, how many files that is (each may take a block more on disk,
+  see budget.py), kept by the same transactions that change the rows, so a budget check
+  reads two rows.
 
 A row is written only after its bytes are on disk, in the same transaction as the
 totals, so a crash leaves at worst bytes no row claims (``Cache.verify`` and the next
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from fastload.cache.budget import WAL_BYTES
 from fastload.errors import CacheError
 
 FORMAT_VERSION = 3
@@ -79,6 +82,8 @@ _AFTER_UPGRADE = (
     "CREATE INDEX IF NOT EXISTS objects_files_by_use ON objects (last_use, id)"
     " WHERE segment IS NULL",
     "CREATE INDEX IF NOT EXISTS segments_by_use ON segments (last_use, id)",
+    "INSERT OR IGNORE INTO totals SELECT 'files',"
+    " (SELECT COUNT(*) FROM objects WHERE segment IS NULL) + (SELECT COUNT(*) FROM segments)",
 )
 _ADDED_COLUMNS = {  # columns an index of format 0 lacks
     "segment": "INTEGER",
@@ -155,7 +160,9 @@ class Index:
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
-                db.execute("PRAGMA journal_size_limit=4194304")  # WAL shrinks after checkpoints
+                # A small WAL, truncated after each checkpoint: the budget reserves it (budget.py).
+                db.execute(f"PRAGMA journal_size_limit={WAL_BYTES}")
+                db.execute(f"PRAGMA wal_autocheckpoint={WAL_BYTES // 4096}")
                 return db
             except sqlite3.OperationalError as exc:
                 db.close()
@@ -300,6 +307,10 @@ class Index:
         row = self.reader().execute("SELECT value FROM totals WHERE name = 'bytes'").fetchone()
         return int(row[0])
 
+    def file_count(self) -> int:
+        row = self.reader().execute("SELECT value FROM totals WHERE name = 'files'").fetchone()
+        return int(row[0])
+
     def file_bytes(self) -> int:
         """The size of the index's own files (database, WAL and its shared memory)."""
         total = 0
@@ -324,8 +335,15 @@ class Index:
         return int(value)
 
     @staticmethod
-    def add_to_total(db: sqlite3.Connection, nbytes: int) -> None:
+    def files(db: sqlite3.Connection) -> int:
+        (value,) = db.execute("SELECT value FROM totals WHERE name = 'files'").fetchone()
+        return int(value)
+
+    @staticmethod
+    def add_to_total(db: sqlite3.Connection, nbytes: int, files: int = 0) -> None:
         db.execute("UPDATE totals SET value = value + ? WHERE name = 'bytes'", (nbytes,))
+        if files:
+            db.execute("UPDATE totals SET value = value + ? WHERE name = 'files'", (files,))
 
     @staticmethod
     def row(db: sqlite3.Connection, oid: str) -> Entry | None:
@@ -352,7 +370,7 @@ class Index:
             live[e.segment] = (nbytes + e.size, max(latest, e.last_use))
         for segment, (nbytes, latest) in live.items():
             if segment is None:
-                self.add_to_total(db, nbytes)
+                self.add_to_total(db, nbytes, sum(1 for e in entries if e.segment is None))
             else:
                 db.execute(
                     "UPDATE segments SET live = live + ?, last_use = MAX(last_use, ?) WHERE id = ?",
@@ -364,7 +382,7 @@ class Index:
         are on disk until the whole segment goes)."""
         db.execute("DELETE FROM objects WHERE id = ?", (entry.id,))
         if entry.segment is None:
-            self.add_to_total(db, -entry.size)
+            self.add_to_total(db, -entry.size, -1)
         else:
             # The segment's recency is that of its latest live entry: recomputed (over this
             # one segment, by its index) only when the entry that set it goes.
@@ -378,6 +396,7 @@ class Index:
     @staticmethod
     def new_segment(db: sqlite3.Connection) -> int:
         cursor = db.execute("INSERT INTO segments (size, live) VALUES (0, 0)")
+        db.execute("UPDATE totals SET value = value + 1 WHERE name = 'files'")
         assert cursor.lastrowid is not None
         return cursor.lastrowid
 
@@ -391,7 +410,7 @@ class Index:
         db.execute("DELETE FROM objects WHERE segment = ?", (segment,))
         db.execute("DELETE FROM segments WHERE id = ?", (segment,))
         if found:
-            self.add_to_total(db, -int(found[0]))
+            self.add_to_total(db, -int(found[0]), -1)
 
     @staticmethod
     def segment_live(db: sqlite3.Connection, segment: int) -> int | None:
