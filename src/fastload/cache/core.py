@@ -506,9 +506,9 @@ class Cache:
                 else:
                     assert isinstance(key, str)
                     self.storage.remove(self.storage.object_path(key))
-                    row = Index.row(db, key)
-                    if row is not None:
-                        self.index.remove(db, row)
+            # Own files leave the index in one statement: their rows were read in this
+            # transaction, which no other writer can enter.
+            self.index.remove_files(db, [v for v, _ in chosen if v.kind == "file"])
             return True
         finally:
             for _, fd in chosen:

@@ -163,6 +163,8 @@ class Index:
                 # A small WAL, truncated after each checkpoint: the budget reserves it (budget.py).
                 db.execute(f"PRAGMA journal_size_limit={WAL_BYTES}")
                 db.execute(f"PRAGMA wal_autocheckpoint={WAL_BYTES // 4096}")
+                # 32 MB of pages: a million-entry index's upper levels stay in memory
+                db.execute("PRAGMA cache_size=-32768")
                 return db
             except sqlite3.OperationalError as exc:
                 db.close()
@@ -392,6 +394,16 @@ class Index:
                 " 0) END WHERE id = ?",
                 (entry.size, entry.last_use, entry.segment, entry.segment),
             )
+
+    def remove_files(
+        self, db: sqlite3.Connection, files: Sequence[tuple[str, str | int, int]]
+    ) -> None:
+        """Forgets own-file entries given as (kind, id, size) as read in this transaction."""
+        if files:
+            db.executemany(
+                "DELETE FROM objects WHERE id = ? AND segment IS NULL", [(f[1],) for f in files]
+            )
+            self.add_to_total(db, -sum(f[2] for f in files), -len(files))
 
     @staticmethod
     def new_segment(db: sqlite3.Connection) -> int:
