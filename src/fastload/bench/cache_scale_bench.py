@@ -101,6 +101,7 @@ class Result:
     within_budget: bool = True
     open_s: float = 0.0
     max_bytes: int = 0
+    over_bytes: int = -(1 << 62)  # the most the budget's count or st_blocks went past it
 
 
 def simulate(cache_dir: Path, policy: Policy, n: int, config: CacheScaleBenchConfig) -> Result:
@@ -155,8 +156,8 @@ def simulate(cache_dir: Path, policy: Policy, n: int, config: CacheScaleBenchCon
             result.publishes += 1
             result.admitted += admitted
             if result.publishes % config.check_every == 0:
-                result.within_budget &= _within(cache, max_bytes)
-        result.within_budget &= _within(cache, max_bytes)
+                result.within_budget &= _within(cache, max_bytes, result)
+        result.within_budget &= _within(cache, max_bytes, result)
         with cache.index.transaction() as db:
             (left,) = db.execute("SELECT COUNT(*) FROM objects").fetchone()
         result.evicted = n + result.admitted - left
@@ -167,8 +168,10 @@ def simulate(cache_dir: Path, policy: Policy, n: int, config: CacheScaleBenchCon
     return result
 
 
-def _within(cache: Cache, max_bytes: int) -> bool:
-    return cache.used_bytes() <= max_bytes and allocated_under(cache.dir) <= max_bytes
+def _within(cache: Cache, max_bytes: int, result: Result) -> bool:
+    counted, allocated = cache.used_bytes(), allocated_under(cache.dir)
+    result.over_bytes = max(result.over_bytes, counted - max_bytes, allocated - max_bytes)
+    return counted <= max_bytes and allocated <= max_bytes
 
 
 def run(work_dir: str | os.PathLike[str], config: CacheScaleBenchConfig | None = None) -> Report:
@@ -202,6 +205,7 @@ def run(work_dir: str | os.PathLike[str], config: CacheScaleBenchConfig | None =
                         "index MB": r.index_bytes / 1e6,
                         "hit rate": r.hits / max(r.accesses, 1),
                         "du<=max": float(r.within_budget),
+                        "over KB": max(r.over_bytes, 0) / 1e3,
                         "open s": r.open_s,
                     },
                     note="seconds: CPU inside publish",
