@@ -18,6 +18,7 @@ Ties are broken the same way everywhere: by kind (own files first), then by id.
 from __future__ import annotations
 
 import heapq
+import itertools
 import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from fastload.cache.core import PlanHint
 
 _PAGE = 256  # victims read per query
+_LOOKAHEAD = 32  # plan's candidates looked up in the index per query
 
 
 class Victim(NamedTuple):
@@ -200,12 +202,23 @@ def plan_order(
 def _own_files(
     db: sqlite3.Connection, ranking: PlanRanking, candidates: Iterator[tuple[int, str]]
 ) -> Iterator[Victim]:
-    for _, fid in candidates:
-        row = db.execute("SELECT size, segment FROM objects WHERE id = ?", (fid,)).fetchone()
-        if row is None or row[1] is not None:
-            ranking.discard(fid)  # gone, or packed, since it was ranked
-            continue
-        yield Victim("file", fid, int(row[0]))
+    """The candidates still cached as own files, with their sizes: read from the index
+    _LOOKAHEAD at a time (one query, not one per victim; what is read ahead but not
+    evicted goes back at ``settle``)."""
+    while chunk := [fid for _, fid in itertools.islice(candidates, _LOOKAHEAD)]:
+        marks = ", ".join("?" * len(chunk))
+        found = {
+            oid: (size, segment)
+            for oid, size, segment in db.execute(
+                f"SELECT id, size, segment FROM objects WHERE id IN ({marks})", chunk
+            )
+        }
+        for fid in chunk:
+            row = found.get(fid)
+            if row is None or row[1] is not None:
+                ranking.discard(fid)  # gone, or packed, since it was ranked
+                continue
+            yield Victim("file", fid, int(row[0]))
 
 
 def _data_version(db: sqlite3.Connection) -> int:
