@@ -28,6 +28,8 @@ DISK_BUDGET_MIN = 64 << 20
 WAL_BYTES = 1 << 20  # the index checkpoints its WAL about here and truncates it to this
 WAL_RESERVE = 4 * WAL_BYTES  # a WAL can outgrow its limit while readers hold old pages
 ROW_BYTES = 1024  # index pages and directory entries one entry may add (an upper bound)
+INDEX_GROWTH_MIN = 4 << 20  # the index may grow with no entry added (uses move rows in
+# its recency index): reserved, and a quarter of its size if that is more
 _REMEASURE_S = 1.0
 _REMEASURE_ENTRIES = 1024
 _INDEX_FILES = ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm")
@@ -70,6 +72,7 @@ class Metadata:
         self._measured = -1
         self._at = 0.0
         self._since = 0  # entries published since the measurement
+        self._index_reserved = 0  # what the index is counted at: its size and room to grow
 
     def measure(self) -> int:
         """Everything under the directory but the entries' own files and segments."""
@@ -79,7 +82,14 @@ class Metadata:
             path = root / name
             if name in _INDEX_FILES:
                 size = allocated(path)
-                total += max(size, WAL_RESERVE) if name.endswith("-wal") else size
+                if name.endswith("-wal"):
+                    total += max(size, WAL_RESERVE)
+                elif name == "index.sqlite":  # room to grow by uses alone (pages split)
+                    if size > self._index_reserved:  # grown into its room: reserve anew
+                        self._index_reserved = size + max(INDEX_GROWTH_MIN, size // 4)
+                    total += self._index_reserved
+                else:
+                    total += size
             elif name == "objects":  # the files are entries; their folders are metadata
                 total += allocated(path)
                 with contextlib.suppress(FileNotFoundError):
