@@ -204,6 +204,7 @@ def _index(args: argparse.Namespace) -> int:
 
 def _cache(args: argparse.Namespace) -> int:
     from fastload.cache import Cache
+    from fastload.cache.budget import allocated_under
 
     with Cache(args.cache_dir, create=False) as cache:
         if args.action == "ls":
@@ -217,6 +218,7 @@ def _cache(args: argparse.Namespace) -> int:
             entries = cache.entries()
             used, on_disk = sum(e.size for e in entries), cache.used_bytes()
             index = cache.index.file_bytes()
+            allocated, counted = allocated_under(cache.dir), cache.disk_bytes()
             _print(
                 {
                     "cache_dir": str(cache.dir),
@@ -224,10 +226,14 @@ def _cache(args: argparse.Namespace) -> int:
                     "bytes": used,
                     "bytes_on_disk": on_disk,  # what the budget counts: dead bytes too
                     "index_bytes": index,
+                    "disk_bytes": counted,  # all of it, as a budget of 64 MiB or more counts
+                    "allocated_bytes": allocated,  # the file system's blocks, everything
                 },
                 args.json,
                 f"{used / 1e6:,.1f} MB in {len(entries):,} entries under {cache.dir}; "
-                f"{on_disk / 1e6:,.1f} MB on disk, index {index / 1e6:,.1f} MB",
+                f"{on_disk / 1e6:,.1f} MB counted by the budget, index {index / 1e6:,.1f} MB; "
+                f"{counted / 1e6:,.1f} MB on disk by fastload's count, "
+                f"{allocated / 1e6:,.1f} MB by the file system's",
             )
         elif args.action == "verify":
             problems = cache.verify(repair=True)
@@ -247,6 +253,14 @@ def _cache(args: argparse.Namespace) -> int:
                 {"evicted": removed, "bytes": cache.used_bytes()},
                 args.json,
                 f"evicted {removed:,} objects; {cache.used_bytes() / 1e6:,.1f} MB remain",
+            )
+        elif args.action == "compact":
+            rewritten, freed = cache.compact()
+            _print(
+                {"segments": rewritten, "freed_bytes": freed, "bytes": cache.used_bytes()},
+                args.json,
+                f"rewrote {rewritten:,} segments, freed {freed / 1e6:,.1f} MB; "
+                f"{cache.used_bytes() / 1e6:,.1f} MB on disk",
             )
         else:  # clear
             removed = cache.clear()
@@ -527,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     index.set_defaults(run=_index)
 
     cache = sub.add_parser("cache", help="inspect and maintain the local cache")
-    cache.add_argument("action", choices=["ls", "du", "verify", "evict", "clear"])
+    cache.add_argument("action", choices=["ls", "du", "verify", "evict", "compact", "clear"])
     cache.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
     cache.add_argument("--max-bytes", type=parse_size, help="evict: keep at most this much")
     cache.add_argument("--json", action="store_true")

@@ -2,25 +2,39 @@
 
 Layout under ``cache_dir``::
 
-    index.sqlite        the index: what is cached, where, which version (index.py)
+    index.sqlite        the index: what is cached, where, which version; its format  (index.py)
+                        version is SQLite's user_version (older ones migrate on open)
     objects/ab/<id>     entries' bytes in files of their own (large ones)    (storage.py)
     segments/<n>.seg    small entries' bytes, packed                         (storage.py)
     tmp/                parts and segments being written, never read
     fetch.lock          one byte per entry, record-locked by its fetcher     (locks.py)
-    manifests/          dataset listings (see fastload.manifest)
+    manifests/          dataset listings and derived layouts (see fastload.manifest)
+    indexes/            tar shards' indexes (see fastload.datasets.tar)
 
-An entry is a remote object, or a byte range of one (a Parquet row group, a range of a tar
-shard), keyed by (url, range) and checked against the remote's version on every lookup.
-Ids hash the URL, so no remote key can name a path outside the cache, however hostile.
+Eviction (``eviction.py``) reads victims in policy order through indexes and a heap, never
+by ranking every entry; compaction (``compaction.py``) rewrites segments that are mostly
+dead bytes.
 
 Guarantees: a reader sees an entry's bytes whole or not at all, and published bytes never
 change; locks are ``fcntl``/``flock``, so a killed process's locks vanish with it, and what
 it left half-written is removed by the next process that opens the cache; an entry in use
 is never evicted (readers hold a shared ``flock`` on its file, eviction needs an
-exclusive one). ``max_bytes`` bounds the bytes on disk: files, whole segments (dead bytes
-included) and the index; parts being fetched may exceed it until they are published or
-turned away. Policies (``core.py``): ``lru``, ``pin`` (keep what is cached, turn the rest
-away) and ``plan`` (evict what the access order needs furthest ahead).
+exclusive one).
+
+What ``max_bytes`` counts (``budget.py``): with a budget of 64 MiB or more, every file and
+folder under ``cache_dir`` by its allocated blocks: own files and whole segments (dead
+bytes included) by their length plus one block each, and the metadata measured from the
+file system (the index, its WAL, counted at its limit, and shared memory, ``fetch.lock``,
+``tmp/``, ``manifests/``, ``indexes/``, the folders), with index growth reserved per entry
+until the next measurement; ``fastload cache du`` reports the same count beside the file
+system's. A budget that cannot hold the metadata is refused with an error saying so. A
+budget under 64 MiB (tests, toys) counts the entries' bytes only: own files and whole
+segments. Parts being fetched may exceed the budget until they are published or turned
+away, or the next measurement.
+
+Policies (``core.py``): ``lru``, ``pin`` (keep what is cached, turn the rest away; dead
+bytes are won back by compaction) and ``plan`` (evict what the access order needs furthest
+ahead).
 """
 
 from fastload.cache.config import CACHE_DIR_ENV, POLICIES, CacheConfig, Policy, default_cache_dir

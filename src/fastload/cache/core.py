@@ -19,7 +19,9 @@ from typing import TypeAlias
 
 import xxhash
 
+from fastload.cache import budget, compaction
 from fastload.cache.config import CacheConfig, Policy, default_cache_dir
+from fastload.cache.eviction import PlanRanking, Victim, lru_order, plan_order
 from fastload.cache.index import Entry, Index
 from fastload.cache.locks import FetchLock, FetchLocks
 from fastload.cache.storage import Location, PartFile, Storage, disk_error
@@ -70,8 +72,9 @@ class PlanHint:
 
     def __init__(self, order: Sequence[str]) -> None:
         self._positions: dict[str, list[int]] = {}
-        for i, url in enumerate(order):
-            self._positions.setdefault(object_id(url), []).append(i)
+        self.order_ids = [object_id(url) for url in order]  # the entry id at each position
+        for i, oid in enumerate(self.order_ids):
+            self._positions.setdefault(oid, []).append(i)
         self.position = 0
         self.length = len(order)
 
@@ -99,9 +102,7 @@ class _Publication:
     done: bool = False
 
 
-# An eviction candidate: ("file", entry id, bytes) or ("segment", segment number, bytes).
-_Victim: TypeAlias = tuple[str, str | int, int]
-_FILES = "SELECT id, size, last_use FROM objects WHERE segment IS NULL AND id != ?"
+_LOW_WATER = 0.01  # one eviction may free this share of max_bytes beyond what is needed
 
 
 def _same_bytes(a: Entry, b: Entry) -> bool:
@@ -157,12 +158,24 @@ class Cache:
             ) from exc
         self.fetch_locks = FetchLocks.for_path(self.dir / "fetch.lock")
         self.index = Index(self.dir)
+        # What the budget counts (budget.py): everything on disk, or (toy budgets) entries.
+        self.counts_disk = budget.counts_disk(max_bytes)
+        self._block = budget.block_size(self.dir) if self.counts_disk else 0
+        self.metadata = budget.Metadata(self.dir)
+        if max_bytes is not None and self.counts_disk and self.metadata.bytes() >= max_bytes:
+            overhead = self.metadata.bytes()
+            self.index.close()
+            raise budget.too_small(self.dir, max_bytes, overhead)
         self._lock = self.index.lock  # serializes this process's writes
         self._pending: list[_Publication] = []  # parts waiting for the next group commit
         self._pending_lock = threading.Lock()
         # ``plan`` ranks entries one by one, so it keeps each in a file of its own.
         self._packs = policy != "plan" and self.storage.segment_entry_max > 0
         self.plan: PlanHint | None = None
+        self._ranking: PlanRanking | None = None  # plan's victims, kept in step with self.plan
+        # Bytes compaction may still copy (compaction.py): one segment's worth to start with.
+        self.compaction_credit = self.storage.segment_bytes
+        self.pending_rewrites: list[compaction.Rewrite] = []  # done when their commit is
         self._sweep()
 
     def _sweep(self) -> None:
@@ -182,9 +195,16 @@ class Cache:
         return self.index.entries()
 
     def used_bytes(self) -> int:
-        """Bytes on disk of everything cached: own files, and segments whole (dead bytes
-        included)."""
-        return self.index.used_bytes()
+        """What the budget counts (budget.py): under a budget of 64 MiB or more, everything
+        on disk (entries by their blocks, and the metadata); else the entries' bytes: own
+        files, and segments whole (dead bytes included)."""
+        return self.disk_bytes() if self.counts_disk else self.index.used_bytes()
+
+    def disk_bytes(self) -> int:
+        """Everything the cache has on disk as a budget of 64 MiB or more counts it: the
+        entries, a block more per file, and the metadata measured (budget.py)."""
+        index, block = self.index, self._block or budget.block_size(self.dir)
+        return index.used_bytes() + index.file_count() * block + self.metadata.bytes()
 
     def touch(self, urls: Sequence[str]) -> None:
         """Records a use of each url now (what ``lru`` orders by)."""
@@ -360,19 +380,23 @@ class Cache:
         try:
             with self.index.transaction() as db:
                 packed: list[_Publication] = []
+                queued = 0  # packed bytes admitted, recorded only after the loop
                 for item in batch:
                     part = item.part
                     item.oid = entry_id(part.url, part.span)
                     try:
-                        if not self._make_room(db, item.oid, part.size):
+                        if not self._make_room(db, item.oid, part.size, queued):
                             part.discard()
                             continue
                         if part.in_memory:
                             packed.append(item)
+                            queued += part.size
                         else:
                             path = storage.place_file(part, item.oid)
                             self.index.add(db, [self._entry(item, None, 0)])
                             item.location = Location(path, 0, part.size)
+                            if self._ranking is not None:
+                                self._ranking.add(item.oid)
                     except CacheError as exc:
                         part.discard()
                         item.error = exc
@@ -401,7 +425,10 @@ class Cache:
                             item.oid, segment, position, item.part.size
                         )
                         item.part.chunks = None
+            self.finish_rewrites(committed=True)
+            self.metadata.published(sum(item.location is not None for item in batch))
         except BaseException as exc:
+            self.finish_rewrites(committed=False)
             # Bytes appended but not recorded: never append after them (a later record would
             # lie past the recorded size). The next open cuts them off.
             storage.seal()
@@ -436,30 +463,41 @@ class Cache:
 
     # --- eviction ----------------------------------------------------------------------------
 
-    def _make_room(self, db: sqlite3.Connection, oid: str, size: int) -> bool:
+    def _make_room(self, db: sqlite3.Connection, oid: str, size: int, queued: int = 0) -> bool:
+        """Evicts by policy until size more bytes fit (after ``queued`` bytes admitted
+        earlier in the same batch), and then on down to a low-water mark (up to 1% of
+        max_bytes more, in victim order) so the next publishes need no eviction: its cost
+        is shared by many publishes."""
         max_bytes = self.config.max_bytes
         if max_bytes is None:
             return True
-        old = Index.row(db, oid)
-        freed_by_replacing = old.size if old is not None and old.segment is None else 0
-        need = Index.total(db) - freed_by_replacing + size - max_bytes
+        need = self._overshoot(db, oid, size + queued, max_bytes)
         if need <= 0:
             return True
-        if size > max_bytes or self.config.policy == "pin":
+        if size + self._charge(0) > max_bytes:
             return False
-        chosen: list[tuple[_Victim, int]] = []
+        if self.counts_disk and (overhead := self.metadata.bytes()) >= max_bytes:
+            raise budget.too_small(self.dir, max_bytes, overhead)
+        if self.config.policy == "pin":
+            # Nothing cached is given up; space dead inside segments is won back instead.
+            compaction.compact(self, db, need_bytes=need, io_bytes=compaction.io_budget(size))
+            return self._overshoot(db, oid, size + queued, max_bytes) <= 0
+        slack = int(max_bytes * _LOW_WATER)
+        chosen: list[tuple[Victim, int]] = []
+        chosen_files: list[str] = []
         freed = 0
         try:
             for victim in self._victims(db, oid):
-                if freed >= need:
+                if freed >= need and freed + self._charge(victim.size) > need + slack:
                     break
                 fd = self.storage.lock_unused(self._victim_path(victim))
                 if fd is None:
                     continue  # in use: never evicted
                 chosen.append((victim, fd))
-                freed += victim[2]
+                freed += self._charge(victim.size)
             if freed < need:
                 return False
+            chosen_files = [str(v.key) for v, _ in chosen if v.kind == "file"]
             for (kind, key, _), _fd in chosen:
                 if kind == "segment":
                     assert isinstance(key, int)
@@ -468,56 +506,93 @@ class Cache:
                 else:
                     assert isinstance(key, str)
                     self.storage.remove(self.storage.object_path(key))
-                    row = Index.row(db, key)
-                    if row is not None:
-                        self.index.remove(db, row)
+            # Own files leave the index in one statement: their rows were read in this
+            # transaction, which no other writer can enter.
+            self.index.remove_files(db, [v for v, _ in chosen if v.kind == "file"])
             return True
         finally:
             for _, fd in chosen:
                 os.close(fd)
+            if self._ranking is not None:
+                self._ranking.settle(chosen_files)
 
-    def _victim_path(self, victim: _Victim) -> str:
-        kind, key, _ = victim
-        if kind == "segment":
-            assert isinstance(key, int)
-            return self.storage.segment_path(key)
-        assert isinstance(key, str)
-        return self.storage.object_path(key)
+    def _charge(self, size: int) -> int:
+        """What a file of size bytes counts against the budget (budget.py)."""
+        return size + self._block if self.counts_disk else size
 
-    def _victims(self, db: sqlite3.Connection, oid: str) -> list[_Victim]:
-        """What to evict first to make room for oid: ``plan``: furthest next use first,
-        and nothing needed sooner than oid; ``lru`` (and ``plan`` without a plan): least
-        recently used first. A segment goes whole: it counts as used when any entry in it
-        was, and as needed when any entry in it is."""
+    def _overshoot(self, db: sqlite3.Connection, oid: str, size: int, max_bytes: int) -> int:
+        """By how much publishing size bytes as oid would exceed max_bytes (<= 0: it fits)."""
+        old = Index.row(db, oid)
+        replacing = self._charge(old.size) if old is not None and old.segment is None else 0
+        total = Index.total(db)
+        if not self.counts_disk:
+            return total - replacing + size - max_bytes
+        on_disk = total + Index.files(db) * self._block + self.metadata.bytes()
+        return on_disk - replacing + self._charge(size) + budget.ROW_BYTES - max_bytes
+
+    def _victim_path(self, victim: Victim) -> str:
+        if victim.kind == "segment":
+            assert isinstance(victim.key, int)
+            return self.storage.segment_path(victim.key)
+        assert isinstance(victim.key, str)
+        return self.storage.object_path(victim.key)
+
+    def _victims(self, db: sqlite3.Connection, oid: str) -> Iterator[Victim]:
+        """What to evict first to make room for oid, lazily (``eviction.py``): ``plan``:
+        furthest next use first, and nothing needed sooner than oid; ``lru`` (and ``plan``
+        without a plan): least recently used first. A segment goes whole: it counts as used
+        when any entry in it was, and as needed when any entry in it is."""
         plan = self.plan
         if self.config.policy != "plan" or plan is None:
-            return self._lru_victims(db, oid)
-        mine = plan.next_use(oid)
-        ranked: list[tuple[float, _Victim]] = [
-            (plan.next_use(r[0]), ("file", r[0], r[1])) for r in db.execute(_FILES, (oid,))
-        ]
-        soonest: dict[int, float] = {}
-        for member, segment in db.execute(
-            "SELECT id, segment FROM objects WHERE segment IS NOT NULL"
-        ):
-            soonest[segment] = min(soonest.get(segment, float("inf")), plan.next_use(member))
-        for segment, size in db.execute("SELECT id, size FROM segments"):
-            ranked.append((soonest.get(segment, float("inf")), ("segment", segment, size)))
-        ranked.sort(key=lambda r: r[0], reverse=True)
-        return [victim for when, victim in ranked if when > mine]
-
-    def _lru_victims(self, db: sqlite3.Connection, oid: str) -> list[_Victim]:
-        self.index.write_uses(db)
-        rows = db.execute(
-            f"SELECT 'file', id, size, last_use FROM ({_FILES}) "
-            "UNION ALL SELECT 'segment', s.id, s.size, COALESCE(MAX(o.last_use), 0) "
-            "FROM segments s LEFT JOIN objects o ON o.segment = s.id GROUP BY s.id "
-            "ORDER BY 4",
-            (oid,),
-        ).fetchall()
-        return [(kind, key, size) for kind, key, size, _ in rows]
+            self.index.write_uses(db)
+            return lru_order(db, oid)
+        ranking = self._ranking
+        if ranking is None or ranking.plan is not plan:
+            ranking = self._ranking = PlanRanking(plan, db)
+        else:
+            ranking.refresh(db)
+        segments = db.execute("SELECT 1 FROM segments LIMIT 1").fetchone() is not None
+        return plan_order(db, ranking, oid, segments)
 
     # --- maintenance -------------------------------------------------------------------------
+
+    def finish_rewrites(self, *, committed: bool) -> None:
+        """After the transaction that moved rows to rewritten segments (compaction.py)."""
+        rewrites, self.pending_rewrites = self.pending_rewrites, []
+        for rewrite in rewrites:
+            rewrite.finish(committed)
+
+    def compact(self, *, live_fraction: float = compaction.LIVE_FRACTION) -> tuple[int, int]:
+        """Rewrites every segment less live than live_fraction that no reader holds, one
+        transaction each (see compaction.py); returns (segments rewritten, bytes freed)."""
+        if not 0 < live_fraction <= 1:
+            raise ValueError(f"live_fraction must be in (0, 1], got {live_fraction}")
+        rewritten = freed = 0
+        done: set[int] = set()
+        while True:
+            with self._lock:
+                try:
+                    with self.index.transaction() as db:
+                        rows = db.execute(
+                            "SELECT id, size, live FROM segments WHERE live < size * ?"
+                            " AND size > 0 ORDER BY id",
+                            (live_fraction,),
+                        ).fetchall()
+                        todo = [r for r in rows if r[0] not in done and r[0] != self._active()]
+                        if not todo:
+                            return rewritten, freed
+                        segment, size, live = todo[0]
+                        done.add(segment)
+                        if compaction.rewrite_segment(self, db, segment) is not None:
+                            rewritten += 1
+                            freed += size - live
+                except BaseException:
+                    self.finish_rewrites(committed=False)
+                    raise
+                self.finish_rewrites(committed=True)
+
+    def _active(self) -> int | None:
+        return self.storage.active_segment()
 
     def drop(self, url: str, span: Span | None = None) -> bool:
         """Removes url (its range span) from the cache unless a reader holds it; True if it
@@ -540,6 +615,8 @@ class Cache:
             try:
                 self.storage.remove(self.storage.object_path(oid))
                 self.index.remove(db, entry)
+                if self._ranking is not None:
+                    self._ranking.discard(oid)
             finally:
                 os.close(fd)
         return True
@@ -620,7 +697,8 @@ class Cache:
         at most to_bytes remain on disk; returns how many entries were removed."""
         removed = 0
         with self.index.transaction() as db:
-            for kind, key, _ in self._lru_victims(db, ""):
+            self.index.write_uses(db)
+            for kind, key, _ in lru_order(db, ""):
                 if Index.total(db) <= to_bytes:
                     break
                 if kind == "segment":

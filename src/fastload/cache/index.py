@@ -6,9 +6,12 @@ Tables:
   set; its id hashes the URL and the range). A row holds the entry's size, checksum,
   remote version and last use, and where its bytes are: a file of their own (``segment``
   NULL) or ``[position, position + size)`` of a segment file.
-- ``segments``: the segment files, each with its size on disk, dead bytes included.
-- ``totals``: the bytes on disk of everything recorded (own files plus whole segments),
-  kept by the same transactions that change the rows, so a budget check reads one row.
+- ``segments``: the segment files, each with its size on disk (dead bytes included), its
+  live bytes, and the latest use of an entry in it (what ``lru`` ranks a segment by).
+- ``totals``: ``bytes``, the length of everything recorded (own files plus whole
+  segments), and ``files``, how many files that is (each may take a block more on disk,
+  see budget.py), kept by the same transactions that change the rows, so a budget check
+  reads two rows.
 
 A row is written only after its bytes are on disk, in the same transaction as the
 totals, so a crash leaves at worst bytes no row claims (``Cache.verify`` and the next
@@ -16,8 +19,12 @@ open remove them), never a row without its bytes. Each process writes through on
 connection under a lock; each thread reads through its own (WAL: reads never wait for a
 write). Uses, which ``lru`` orders by, are buffered and written in batches.
 
-An index written before segments and ranges existed (``user_version`` 0) is upgraded in
-place on open: its rows keep their ids and files, so nothing cached is lost.
+The format's version is SQLite's ``user_version``. An older index (0: before segments
+and ranges; 2: before segments carried their last use) is upgraded in place on open: its
+rows keep their ids and files, so nothing cached is lost. A newer one is refused.
+
+Eviction reads victims in order through indexes (``eviction.py``), never by sorting every
+row: own files by ``(last_use, id)``, segments by ``(last_use, id)``.
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from fastload.cache.budget import WAL_BYTES
 from fastload.errors import CacheError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _CONNECT_TIMEOUT_S = 60.0
 _RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
 _COLUMNS = "id, url, size, checksum, version, created, last_use, segment, position, start"
@@ -54,11 +62,11 @@ CREATE TABLE IF NOT EXISTS objects (
     position INTEGER NOT NULL DEFAULT 0,
     start INTEGER
 );
-CREATE INDEX IF NOT EXISTS objects_by_last_use ON objects (last_use);
 CREATE TABLE IF NOT EXISTS segments (
     id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: a stale reader cannot meet new bytes
     size INTEGER NOT NULL,
-    live INTEGER NOT NULL
+    live INTEGER NOT NULL,
+    last_use REAL NOT NULL DEFAULT 0  -- the latest use of an entry in it; 0 when empty
 );
 CREATE TABLE IF NOT EXISTS totals (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
@@ -67,6 +75,19 @@ _AFTER_UPGRADE = (
     "INSERT OR IGNORE INTO totals SELECT 'bytes',"
     " (SELECT COALESCE(SUM(size), 0) FROM objects WHERE segment IS NULL)"
     " + (SELECT COALESCE(SUM(size), 0) FROM segments)",
+    # format 3: eviction walks indexes on recency instead of sorting every row
+    "DROP INDEX IF EXISTS objects_by_last_use",
+    "UPDATE segments SET last_use = COALESCE("
+    "(SELECT MAX(last_use) FROM objects WHERE segment = segments.id), 0)",
+    "CREATE INDEX IF NOT EXISTS objects_files_by_use ON objects (last_use, id)"
+    " WHERE segment IS NULL",
+    "CREATE INDEX IF NOT EXISTS segments_by_use ON segments (last_use, id)",
+    # packed entries by segment; own files (segment NULL) stay out of it, so publishing or
+    # evicting one updates one B-tree fewer
+    "DROP INDEX IF EXISTS objects_by_segment",
+    "CREATE INDEX IF NOT EXISTS objects_packed ON objects (segment) WHERE segment IS NOT NULL",
+    "INSERT OR IGNORE INTO totals SELECT 'files',"
+    " (SELECT COUNT(*) FROM objects WHERE segment IS NULL) + (SELECT COUNT(*) FROM segments)",
 )
 _ADDED_COLUMNS = {  # columns an index of format 0 lacks
     "segment": "INTEGER",
@@ -143,7 +164,11 @@ class Index:
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute("PRAGMA synchronous=NORMAL")
-                db.execute("PRAGMA journal_size_limit=4194304")  # WAL shrinks after checkpoints
+                # A small WAL, truncated after each checkpoint: the budget reserves it (budget.py).
+                db.execute(f"PRAGMA journal_size_limit={WAL_BYTES}")
+                db.execute(f"PRAGMA wal_autocheckpoint={WAL_BYTES // 4096}")
+                # 32 MB of pages: a million-entry index's upper levels stay in memory
+                db.execute("PRAGMA cache_size=-32768")
                 return db
             except sqlite3.OperationalError as exc:
                 db.close()
@@ -161,17 +186,29 @@ class Index:
             self._db, self._db_pid = db, os.getpid()
         return self._db
 
-    @staticmethod
-    def _upgrade(db: sqlite3.Connection) -> None:
+    def _upgrade(self, db: sqlite3.Connection) -> None:
         (version,) = db.execute("PRAGMA user_version").fetchone()
-        if version >= FORMAT_VERSION:
+        if version == FORMAT_VERSION:
             return
+        if version > FORMAT_VERSION:
+            db.close()
+            raise CacheError(
+                errno.EPROTO,
+                f"the cache index {self.path} is format {version}, newer than this fastload "
+                f"reads ({FORMAT_VERSION}); upgrade fastload, or use another cache directory",
+            )
         db.execute("BEGIN IMMEDIATE")  # one process upgrades; the others see it done
         try:
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            if version == FORMAT_VERSION:  # another process did it meanwhile
+                db.execute("ROLLBACK")
+                return
             have = {row[1] for row in db.execute("PRAGMA table_info(objects)")}
             for name, kind in _ADDED_COLUMNS.items():
                 if name not in have:
                     db.execute(f"ALTER TABLE objects ADD COLUMN {name} {kind}")
+            if "last_use" not in {row[1] for row in db.execute("PRAGMA table_info(segments)")}:
+                db.execute("ALTER TABLE segments ADD COLUMN last_use REAL NOT NULL DEFAULT 0")
             for statement in _AFTER_UPGRADE:
                 db.execute(statement)
             db.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
@@ -276,6 +313,10 @@ class Index:
         row = self.reader().execute("SELECT value FROM totals WHERE name = 'bytes'").fetchone()
         return int(row[0])
 
+    def file_count(self) -> int:
+        row = self.reader().execute("SELECT value FROM totals WHERE name = 'files'").fetchone()
+        return int(row[0])
+
     def file_bytes(self) -> int:
         """The size of the index's own files (database, WAL and its shared memory)."""
         total = 0
@@ -300,8 +341,15 @@ class Index:
         return int(value)
 
     @staticmethod
-    def add_to_total(db: sqlite3.Connection, nbytes: int) -> None:
+    def files(db: sqlite3.Connection) -> int:
+        (value,) = db.execute("SELECT value FROM totals WHERE name = 'files'").fetchone()
+        return int(value)
+
+    @staticmethod
+    def add_to_total(db: sqlite3.Connection, nbytes: int, files: int = 0) -> None:
         db.execute("UPDATE totals SET value = value + ? WHERE name = 'bytes'", (nbytes,))
+        if files:
+            db.execute("UPDATE totals SET value = value + ? WHERE name = 'files'", (files,))
 
     @staticmethod
     def row(db: sqlite3.Connection, oid: str) -> Entry | None:
@@ -322,29 +370,49 @@ class Index:
             f"INSERT INTO objects ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [_values(e) for e in entries],
         )
-        live: dict[int | None, int] = {}
+        live: dict[int | None, tuple[int, float]] = {}
         for e in entries:
-            live[e.segment] = live.get(e.segment, 0) + e.size
-        for segment, nbytes in live.items():
+            nbytes, latest = live.get(e.segment, (0, 0.0))
+            live[e.segment] = (nbytes + e.size, max(latest, e.last_use))
+        for segment, (nbytes, latest) in live.items():
             if segment is None:
-                self.add_to_total(db, nbytes)
+                self.add_to_total(db, nbytes, sum(1 for e in entries if e.segment is None))
             else:
-                db.execute("UPDATE segments SET live = live + ? WHERE id = ?", (nbytes, segment))
+                db.execute(
+                    "UPDATE segments SET live = live + ?, last_use = MAX(last_use, ?) WHERE id = ?",
+                    (nbytes, latest, segment),
+                )
 
     def remove(self, db: sqlite3.Connection, entry: Entry) -> None:
         """Forgets entry. An own file's bytes leave the total; a segment's stay counted (they
         are on disk until the whole segment goes)."""
         db.execute("DELETE FROM objects WHERE id = ?", (entry.id,))
         if entry.segment is None:
-            self.add_to_total(db, -entry.size)
+            self.add_to_total(db, -entry.size, -1)
         else:
+            # The segment's recency is that of its latest live entry: recomputed (over this
+            # one segment, by its index) only when the entry that set it goes.
             db.execute(
-                "UPDATE segments SET live = live - ? WHERE id = ?", (entry.size, entry.segment)
+                "UPDATE segments SET live = live - ?, last_use = CASE WHEN last_use > ? THEN"
+                " last_use ELSE COALESCE((SELECT MAX(last_use) FROM objects WHERE segment = ?),"
+                " 0) END WHERE id = ?",
+                (entry.size, entry.last_use, entry.segment, entry.segment),
             )
+
+    def remove_files(
+        self, db: sqlite3.Connection, files: Sequence[tuple[str, str | int, int]]
+    ) -> None:
+        """Forgets own-file entries given as (kind, id, size) as read in this transaction."""
+        if files:
+            db.executemany(
+                "DELETE FROM objects WHERE id = ? AND segment IS NULL", [(f[1],) for f in files]
+            )
+            self.add_to_total(db, -sum(f[2] for f in files), -len(files))
 
     @staticmethod
     def new_segment(db: sqlite3.Connection) -> int:
         cursor = db.execute("INSERT INTO segments (size, live) VALUES (0, 0)")
+        db.execute("UPDATE totals SET value = value + 1 WHERE name = 'files'")
         assert cursor.lastrowid is not None
         return cursor.lastrowid
 
@@ -358,7 +426,7 @@ class Index:
         db.execute("DELETE FROM objects WHERE segment = ?", (segment,))
         db.execute("DELETE FROM segments WHERE id = ?", (segment,))
         if found:
-            self.add_to_total(db, -int(found[0]))
+            self.add_to_total(db, -int(found[0]), -1)
 
     @staticmethod
     def segment_live(db: sqlite3.Connection, segment: int) -> int | None:
@@ -391,6 +459,10 @@ class Index:
         """Writes the buffered uses inside the caller's transaction."""
         with self.lock:
             recent, self._recent = self._recent, {}
+        uses = [(t, o) for o, t in recent.items()]
+        db.executemany("UPDATE objects SET last_use = ? WHERE id = ?", uses)
         db.executemany(
-            "UPDATE objects SET last_use = ? WHERE id = ?", [(t, o) for o, t in recent.items()]
+            "UPDATE segments SET last_use = MAX(last_use, ?)"
+            " WHERE id = (SELECT segment FROM objects WHERE id = ?)",
+            uses,
         )

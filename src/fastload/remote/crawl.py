@@ -102,7 +102,9 @@ def list_remote(
     if is_hf(fs):
         columns = with_retries(lambda: list_hub(fs, root, counter), shown)
     elif not is_http(fs):
-        columns = with_retries(lambda: transport.list_columns(root, counter), shown)
+        # Its pages retry themselves (remote/obstore.py): a failure here is final, and
+        # retrying it would list the whole bucket again.
+        columns = transport.list_columns(root, counter)
     if columns is not None and len(columns):
         if counter is not None:
             counter.done(len(columns))

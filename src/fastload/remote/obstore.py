@@ -40,6 +40,7 @@ import os
 import re
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,9 +49,18 @@ from typing import Any
 import fsspec
 import fsspec.asyn
 
-from fastload.remote.errors import HTTPResponseError, NotFoundResponse
+from fastload.errors import RemoteError
+from fastload.remote.errors import (
+    HTTPResponseError,
+    NotFoundResponse,
+    backoff_s,
+    classify,
+    is_throttling,
+    is_transient,
+)
 from fastload.remote.listing import Listing, from_arrow
 from fastload.remote.scrub import scrub
+from fastload.remote.throttle import Throttle, shared_throttle
 from fastload.remote.transport import Buffer, FsspecTransport
 from fastload.remote.urls import is_http
 
@@ -221,8 +231,17 @@ class ObjectStoreTransport(_ObstoreTransport):
         cut = len(base.encode()) + 1 if base else 0  # keys are relative to root
         arrow = _has_arro3()
 
+        throttle = shared_throttle(self, _LIST_THREADS)  # the GETs' AIMD, if staging made it
+        where = f"s3://{bucket}/"
+        timeout_s = self._fallback.timeout_s
+
         def level(prefix: str | None) -> tuple[list[str], list[Listing] | None]:
-            found = obstore.list_with_delimiter(store, prefix=prefix)
+            found = _retried(
+                lambda: obstore.list_with_delimiter(store, prefix=prefix),
+                throttle,
+                f"{where}{prefix or ''} (listing its folders)",
+                timeout_s,
+            )
             # "a-b/" sorts before "a/": order folders as their keys sort
             folders = sorted(found["common_prefixes"], key=lambda f: f + "/")
             # Objects beside folders sort between them ("a.txt" between "a-b/" and "a/"):
@@ -231,15 +250,38 @@ class ObjectStoreTransport(_ObstoreTransport):
             return folders, loose if loose is None else loose.pieces()
 
         def whole(prefix: str, as_arrow: bool) -> Listing | None:
-            pages = []
-            for page in obstore.list(store, prefix=prefix, chunk_size=1000, return_arrow=as_arrow):
-                part = from_arrow(page, cut) if as_arrow else _entries(page, cut, progress)  # type: ignore[arg-type]
-                if part is None:  # a page Arrow cannot carry: the folder again, as dicts
-                    return whole(prefix, False) if as_arrow else None
-                if as_arrow and progress is not None:
-                    progress(len(part))
-                pages.append(part)
-            return Listing.joined(pages)
+            """Every page below prefix. A failed page is asked for again on its own (a new
+            request resuming after the last key listed), inside the remote's throttle."""
+            pages: list[Listing] = []
+            failures = 0
+            while True:
+                last = pages[-1].key(len(pages[-1]) - 1).decode() if pages else None
+                after = None if last is None else (base + "/" if base else "") + last
+                stream = iter(
+                    obstore.list(
+                        store, prefix=prefix, offset=after, chunk_size=1000, return_arrow=as_arrow
+                    )
+                )
+                try:
+                    while True:
+                        where_page = f"{where}{prefix} (listing page {len(pages) + 1})"
+                        page = _request(
+                            functools.partial(next, stream, None), throttle, where_page, timeout_s
+                        )
+                        if page is None:
+                            return Listing.joined(pages)
+                        failures = 0
+                        part = from_arrow(page, cut) if as_arrow else _entries(page, cut, progress)
+                        if part is None:  # a page Arrow cannot carry: the folder, as dicts
+                            return whole(prefix, False) if as_arrow else None
+                        if as_arrow and progress is not None:
+                            progress(len(part))
+                        pages.append(part)
+                except _PageFailed as failed:
+                    failures += 1
+                    if failures > _PAGE_RETRIES:
+                        raise failed.error from None
+                    time.sleep(backoff_s(failures, 0.05, 2.0))
 
         try:
             folders, top = level(base or None)
@@ -252,6 +294,8 @@ class ObjectStoreTransport(_ObstoreTransport):
             if any(pieces is None for pieces in loose):
                 return None
             parts += [piece for pieces in loose if pieces is not None for piece in pieces]
+        except RemoteError:  # a page that kept failing: already retried, and named
+            raise
         except Exception as exc:
             error = _translate(exc, self._fallback.timeout_s)
             if isinstance(error, (Declined, ConnectionError)):
@@ -263,8 +307,53 @@ class ObjectStoreTransport(_ObstoreTransport):
         return Listing.joined([p for p in parts if p is not None])
 
 
-# Folders of a bucket listed at once (each a chain of 1,000-key pages).
+# Folders of a bucket listed at once (each a chain of 1,000-key pages), at most: the
+# remote's throttle (remote/throttle.py) may allow fewer.
 _LIST_THREADS = 16
+_PAGE_RETRIES = 8  # tries of one listing page before the listing fails
+
+
+class _PageFailed(Exception):
+    """A listing request that failed in a way worth asking again for (a 5xx, 429,
+    SlowDown, a timeout); ``error`` is what to raise if it keeps failing."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _request(fn: Callable[[], Any], throttle: Throttle, where: str, timeout_s: float) -> Any:
+    """One listing request inside the remote's throttle; a throttling answer halves it.
+    A transient failure raises _PageFailed, a permanent one the RemoteError naming where
+    (the prefix and the page); others (declined, a connection obstore cannot make) pass
+    unchanged to the caller's fallback."""
+    try:
+        with throttle:
+            result = fn()
+    except Exception as exc:
+        error = _translate(exc, timeout_s)
+        if not isinstance(error, (HTTPResponseError, TimeoutError)):
+            raise
+        if is_throttling(error):
+            throttle.throttled()
+        remote_error = classify(error, where)
+        if isinstance(error, NotFoundResponse) or not is_transient(remote_error):
+            raise remote_error from None
+        raise _PageFailed(classify(error, where, attempts=_PAGE_RETRIES + 1)) from None
+    throttle.succeeded()
+    return result
+
+
+def _retried(fn: Callable[[], Any], throttle: Throttle, where: str, timeout_s: float) -> Any:
+    """_request, asked again with backoff while it fails transiently."""
+    for attempt in range(1, _PAGE_RETRIES + 2):
+        try:
+            return _request(fn, throttle, where, timeout_s)
+        except _PageFailed as failed:
+            if attempt > _PAGE_RETRIES:
+                raise failed.error from None
+            time.sleep(backoff_s(attempt, 0.05, 2.0))
+    raise AssertionError("unreachable")
 
 
 def _entries(

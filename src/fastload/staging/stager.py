@@ -43,12 +43,13 @@ from fastload.remote import (
     with_retries,
 )
 from fastload.remote.connect import transport_for
+from fastload.remote.throttle import Throttle
 from fastload.remote.transport import Buffer, Transport
 from fastload.staging import process as staging_process
 from fastload.staging.config import FetchConfig, StageResult
 from fastload.staging.holding import Holding
 from fastload.staging.rounds import Round
-from fastload.staging.throttle import Throttle, throttle_for
+from fastload.staging.throttle import throttle_for
 
 # A forked child (a DataLoader worker) stages in its own threads, not in a staging process.
 _forked = False

@@ -1,64 +1,21 @@
-"""AIMD concurrency per remote: halve when the remote throttles, grow back by one per window
-of successes (as TCP does). One per remote and process, across staging calls and range
-reads alike."""
+"""The AIMD throttle of a remote, as staging configures it (the throttle itself is
+``fastload.remote.throttle``: listings share it)."""
 
 from __future__ import annotations
 
-import threading
-import time
-
+from fastload.remote.throttle import Throttle as _RemoteThrottle
+from fastload.remote.throttle import throttle_of
 from fastload.remote.transport import Transport
 from fastload.staging.config import FetchConfig
 
 
-class Throttle:
-    """AIMD concurrency: halve on throttling, +1 after a window of successes. One per remote
-    and process, kept across staging calls, so a round starts where the last one ended."""
+class Throttle(_RemoteThrottle):
+    """A throttle made from a FetchConfig (jobs at most, min_jobs at least)."""
 
     def __init__(self, config: FetchConfig) -> None:
-        self.limit = config.jobs
-        self.min = config.min_jobs
-        self.max = config.jobs
-        self.active = 0
-        self._wins = 0
-        self._last_cut = 0.0
-        self._changed = threading.Condition()
-
-    def __enter__(self) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: self.active < self.limit)
-            self.active += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._changed:
-            self.active -= 1
-            self._changed.notify()
-
-    def throttled(self) -> None:
-        with self._changed:
-            now = time.monotonic()
-            if now - self._last_cut > 0.1:  # one cut per burst of refusals
-                self.limit = max(self.min, self.limit // 2)
-                self._last_cut = now
-            self._wins = 0
-
-    def succeeded(self) -> None:
-        with self._changed:
-            self._wins += 1
-            if self._wins >= self.limit and self.limit < self.max:
-                self.limit += 1
-                self._wins = 0
-                self._changed.notify_all()
+        super().__init__(config.jobs, config.min_jobs)
 
 
-_throttles: dict[tuple[int, int, int], Throttle] = {}
-_throttles_lock = threading.Lock()
-
-
-def throttle_for(transport: Transport, config: FetchConfig) -> Throttle:
+def throttle_for(transport: Transport, config: FetchConfig) -> _RemoteThrottle:
     """The throttle of transport's remote in this process."""
-    key = (id(transport), config.jobs, config.min_jobs)
-    with _throttles_lock:
-        if key not in _throttles:
-            _throttles[key] = Throttle(config)
-        return _throttles[key]
+    return throttle_of(transport, config.jobs, config.min_jobs)

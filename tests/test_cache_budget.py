@@ -1,0 +1,152 @@
+"""The budget is what the cache puts on disk (cache/budget.py), checked against the file
+system's own block accounting, with real processes publishing at once; the format version
+(index.py) migrates an old cache and refuses a newer one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fastload.cache import Cache
+from fastload.cache.budget import DISK_BUDGET_MIN, allocated_under
+from fastload.cache.index import FORMAT_VERSION
+from fastload.cli import main
+from fastload.errors import CacheError
+
+FIXTURE = Path(__file__).parent / "fixtures" / "v93b491a" / "cache"
+BUDGET = DISK_BUDGET_MIN  # the smallest budget that counts everything on disk
+
+_PUBLISHER = textwrap.dedent(
+    """
+    import os, random, sys
+    from fastload.cache import Cache
+    from fastload.cache.budget import allocated_under
+
+    directory, seed, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rng = random.Random(seed)
+    os.makedirs(os.path.join(directory, "manifests"), exist_ok=True)
+    with open(os.path.join(directory, "manifests", f"listing-{seed}.flm"), "wb") as f:
+        f.write(os.urandom(1 << 20))  # a listing: metadata the budget counts too
+    with Cache(directory, max_bytes=budget, policy="lru") as cache:
+        for i in range(1500):
+            url = f"s3://b/{seed}/{i}"
+            size = rng.choice([rng.randrange(100, 60_000), rng.randrange(70_000, 400_000)])
+            lock = cache.fetch_lock(url)
+            try:
+                part = cache.new_part(url)
+                part.write(os.urandom(size))
+                cache.publish(part, version="v1")
+            finally:
+                lock.release()
+            if i % 300 == 299:
+                assert cache.used_bytes() <= budget, cache.used_bytes()
+    print("done", flush=True)
+    """
+)
+
+
+def test_the_budget_bounds_every_block_on_disk_with_processes_publishing_at_once(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PUBLISHER, str(tmp_path), str(seed), str(BUDGET)],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        for seed in range(3)
+    ]
+    try:
+        for child in children:
+            out, _ = child.communicate(timeout=600)
+            assert child.returncode == 0
+            assert out.strip() == b"done"
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    with Cache(tmp_path, max_bytes=BUDGET) as cache:
+        counted = cache.used_bytes()
+        entries = len(cache.entries())
+    allocated = allocated_under(tmp_path)  # st_blocks * 512 of every file and folder
+    assert entries > 100
+    assert allocated <= counted <= BUDGET
+    assert counted - allocated < BUDGET // 4  # an upper bound, but not a loose one
+    assert allocated > BUDGET // 2  # the budget was in play: 3 x ~250 MB were published
+
+
+def test_du_reports_what_the_budget_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Cache(tmp_path, max_bytes=BUDGET) as cache:
+        for i in range(50):
+            lock = cache.fetch_lock(f"s3://b/{i}")
+            part = cache.new_part(f"s3://b/{i}")
+            part.write(os.urandom(10_000 * (i + 1)))
+            cache.publish(part, version="v1")
+            lock.release()
+    assert main(["cache", "du", "--json", "--cache-dir", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    with Cache(tmp_path, max_bytes=BUDGET) as cache:
+        assert report["disk_bytes"] == cache.disk_bytes() == cache.used_bytes()
+    assert report["allocated_bytes"] <= report["disk_bytes"] <= BUDGET
+
+
+def test_a_budget_that_cannot_hold_the_metadata_says_so(tmp_path: Path) -> None:
+    with Cache(tmp_path):
+        pass
+    fd = os.open(tmp_path / "manifests" / "huge.flm", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, BUDGET + (1 << 20))  # allocated blocks, fast
+    finally:
+        os.close(fd)
+    with pytest.raises(CacheError, match="cannot hold even the cache's own metadata"):
+        Cache(tmp_path, max_bytes=BUDGET)
+
+
+def test_a_cache_of_the_previous_format_is_migrated_in_place(tmp_path: Path) -> None:
+    shutil.copytree(FIXTURE, tmp_path / "cache")
+    index = tmp_path / "cache" / "index.sqlite"
+    with sqlite3.connect(index) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        rows = sorted(db.execute("SELECT id, size, segment, position FROM objects"))
+        latest = dict(
+            db.execute("SELECT segment, MAX(last_use) FROM objects GROUP BY segment").fetchall()
+        )
+    with Cache(tmp_path / "cache") as cache:
+        assert cache.verify(repair=False) == []
+        assert cache.used_bytes() == sum(
+            p.stat().st_size for p in (tmp_path / "cache" / "segments").iterdir()
+        )
+    with sqlite3.connect(index) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION
+        assert sorted(db.execute("SELECT id, size, segment, position FROM objects")) == rows
+        for segment, last_use in db.execute("SELECT id, last_use FROM segments"):
+            assert last_use == latest.get(segment, 0)
+        (files,) = db.execute("SELECT value FROM totals WHERE name = 'files'").fetchone()
+        (segments,) = db.execute("SELECT COUNT(*) FROM segments").fetchone()
+        (own,) = db.execute("SELECT COUNT(*) FROM objects WHERE segment IS NULL").fetchone()
+        assert files == segments + own
+
+
+def test_a_cache_of_a_newer_format_is_refused_in_one_line(tmp_path: Path) -> None:
+    with Cache(tmp_path):
+        pass
+    with sqlite3.connect(tmp_path / "index.sqlite") as db:
+        db.execute(f"PRAGMA user_version = {FORMAT_VERSION + 1}")
+    with pytest.raises(CacheError) as raised:
+        Cache(tmp_path)
+    message = str(raised.value)
+    assert "newer than this fastload reads" in message
+    assert "upgrade fastload" in message
+    assert "\n" not in message
