@@ -53,7 +53,10 @@ class RemoteAccessError(RemoteError, PermissionError):
 class RemoteChangedError(RemoteError):
     """The object changed on the remote since the dataset was listed (another ETag, version
     or size): its bytes would mix versions, so none are used. Permanent: a retry reads the
-    same new version; opening the dataset again with ``refresh=True`` lists it anew."""
+    same new version; opening the dataset again with ``refresh=True`` lists it anew.
+    ``what`` says how the change showed (a 412 to ``If-Match``, another ETag or size)."""
+
+    what: str = ""
 
 
 class CredentialsInURLError(FastloadError, ValueError):

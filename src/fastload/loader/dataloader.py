@@ -70,7 +70,10 @@ class DataLoader(tud.DataLoader[Any]):
 
     Keyword-only extras: ``device`` (batches arrive there), ``decode`` (None: samples as the
     dataset gives them; "auto"/"dali"/"cpu": decode images, see ``fastload.decode``) with
-    ``transform`` (a preset or a callable) and ``on_error``; ``seed`` (the plan's shuffle
+    ``transform`` (a preset or a callable) and ``on_error``; ``on_change`` ("raise": an
+    object changed on the remote since the listing fails its batch, naming it; "skip": its
+    samples are left out as ``on_error="skip"`` leaves bad images, counted in
+    ``stats()["changed_objects"]``); ``seed`` (the plan's shuffle
     and the augmentations); ``rank``/``world_size`` (default: torch.distributed, else
     torchrun's environment); ``shard`` (None: shard fastload datasets by the plan, leave
     others as torch would); cache settings used when ``dataset`` is a URL; prefetch depth
@@ -103,6 +106,7 @@ class DataLoader(tud.DataLoader[Any]):
         transform: Any = None,
         seed: int = 0,
         on_error: str = "raise",
+        on_change: str = "raise",
         rank: int | None = None,
         world_size: int | None = None,
         shard: bool | None = None,
@@ -147,6 +151,8 @@ class DataLoader(tud.DataLoader[Any]):
             choose_backend(decode, target)  # type: ignore[arg-type]  # raises naming the package
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if on_change not in ("raise", "skip"):
+            raise ValueError(f"on_change must be 'raise' or 'skip', got {on_change!r}")
         if shard is None:
             shard = fastload_dataset
         plan_sampler: ShardedSampler | None = None
@@ -199,6 +205,7 @@ class DataLoader(tud.DataLoader[Any]):
         self.transform = transform
         self.seed = seed
         self.on_error = on_error
+        self.on_change = on_change
         self.prefetch_batches = prefetch_batches
         self.lookahead_bytes = (
             DEFAULT_LOOKAHEAD_BYTES if lookahead_bytes is None else lookahead_bytes
@@ -367,6 +374,7 @@ class DataLoader(tud.DataLoader[Any]):
                 stats=self._stats,
                 on_device=self._on_device(),
                 cuda_device=self._load_stream_device(),
+                on_change=self.on_change,
             )
         return self._builder
 
