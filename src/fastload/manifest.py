@@ -24,6 +24,7 @@ blob.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -36,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, BinaryIO, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +48,7 @@ from fastload.remote import public_url
 from fastload.remote.crawl import list_remote
 from fastload.remote.listing import ENCODING as _ENCODING
 from fastload.remote.listing import Listing
+from fastload.safe_files import own_folder, unsafe, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -246,11 +248,8 @@ class Manifest:
         except (OSError, ValueError, KeyError, EOFError):
             pass  # none yet, from an older listing, or unreadable: make it
         arrays = {k: np.asarray(v) for k, v in make().items()}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            payload: dict[str, Any] = {"listed_at": np.float64(self.listed_at), **arrays}
-            np.savez(f, **payload)
-        os.replace(tmp, path)
+        payload: dict[str, Any] = {"listed_at": np.float64(self.listed_at), **arrays}
+        write_atomically(path, lambda f: np.savez(f, **payload))  # never through a link
         return arrays
 
     # --- the file --------------------------------------------------------------------------
@@ -268,9 +267,8 @@ class Manifest:
         ).encode()
         head = _MAGIC + np.uint64(len(header)).tobytes() + header
         head += b"\0" * (-len(head) % 8)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+
+        def write(f: BinaryIO) -> None:
             f.write(head)
             for array in (self._key_offsets, self._sizes, self._version_offsets):
                 f.write(np.ascontiguousarray(array, dtype="<i8").tobytes())
@@ -279,9 +277,10 @@ class Manifest:
             f.write(np.ascontiguousarray(self._version_present, dtype=np.uint8).tobytes())
             f.write(self._key_blob)
             f.write(self._version_blob)
-            f.flush()
-            os.fsync(f.fileno())  # whole on disk before it is renamed into place
-        os.replace(tmp, path)
+
+        # A new file (never through a link planted in manifests/), whole on disk before it
+        # is renamed into place.
+        write_atomically(path, write, fsync=True)
         self.path = path
 
     @classmethod
@@ -452,7 +451,7 @@ def load_manifest(
         manifest = _load_saved(path, ttl_s, None)
         if manifest is not None:
             return manifest
-    path.parent.mkdir(parents=True, exist_ok=True)
+    own_folder(path.parent)
     with _ListingLock(path.with_suffix(".lock"), public_url(url)):
         manifest = _load_saved(path, ttl_s, asked_at if refresh else None)
         if manifest is not None:
@@ -486,7 +485,13 @@ class _ListingLock:
         self._fd = -1
 
     def __enter__(self) -> None:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise unsafe(self.path, "a symbolic link") from None
+            raise
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
