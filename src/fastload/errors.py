@@ -64,6 +64,11 @@ class CredentialsInURLError(FastloadError, ValueError):
     environment, where nothing prints them."""
 
 
+class DatasetMismatchError(FastloadError, ValueError):
+    """Ranks of one job, or a saved state and a loader, see different datasets (another
+    listing: objects added, removed or changed); the message says which and how."""
+
+
 class UnsafeCachePathError(FastloadError, OSError):
     """A path fastload owns in its cache directory is a symbolic link (or not what fastload
     made): writing through it could land anywhere, so nothing is written."""

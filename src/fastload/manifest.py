@@ -106,12 +106,36 @@ class Manifest:
         self._hash_order = np.argsort(hashes, kind="stable").astype(np.int64)
         self._key_hashes = hashes[self._hash_order]
         self._total_bytes: int | None = None
+        self._fingerprint: str | None = None
         self.path: Path | None = None
 
     # --- reading ---------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._sizes)
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of what was listed: every key, size and version (xxh3-128 over the
+        columns themselves, no object per entry; computed once). Two listings with the same
+        fingerprint give the same plan; ranks that see different ones must not train."""
+        if self._fingerprint is None:
+            self._fingerprint = self.fingerprint_of(0, len(self))
+        return self._fingerprint
+
+    def fingerprint_of(self, start: int, end: int) -> str:
+        """The digest of objects [start, end): their keys, sizes and versions."""
+        digest = xxhash.xxh3_128()
+        for offsets, blob in (
+            (self._key_offsets, self._key_blob),
+            (self._version_offsets, self._version_blob),
+        ):
+            lo, hi = int(offsets[start]), int(offsets[end])
+            digest.update(np.ascontiguousarray(offsets[start : end + 1] - lo, "<i8").data)
+            digest.update(blob[lo:hi])
+        digest.update(np.ascontiguousarray(self._sizes[start:end], "<i8").data)
+        digest.update(np.ascontiguousarray(self._version_present[start:end], "u1").data)
+        return digest.hexdigest()
 
     def key(self, i: int) -> str:
         o = self._key_offsets
@@ -318,6 +342,7 @@ class Manifest:
         self._key_blob = view[at : at + key_bytes]
         self._version_blob = view[at + key_bytes : at + key_bytes + version_bytes]
         self._total_bytes = None
+        self._fingerprint = None
         self.path = path
         return self
 

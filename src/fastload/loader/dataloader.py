@@ -34,6 +34,8 @@ from fastload.datasets import open_dataset
 from fastload.datasets.base import ShardedDataset
 from fastload.decode import choose_backend, make_decoder
 from fastload.decode.base import Decoder
+from fastload.errors import DatasetMismatchError
+from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.pipeline import Pipeline
 from fastload.loader.resume import ResumableIndex, replaying, rng_state, set_rng_state
@@ -216,6 +218,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._epoch = 0
         self._pending: dict[str, Any] | None = None
         self._fast_forward = 0  # batches an IterableDataset replays after a resume
+        self._agreed = False  # whether the ranks agreed on the dataset (loader/agreement.py)
         self._stats = LoaderStats()
         self._decoder: Decoder | None = None
         self._builder: BatchBuilder | None = None
@@ -260,6 +263,9 @@ class DataLoader(tud.DataLoader[Any]):
     def __iter__(self) -> _Iteration:  # type: ignore[override]
         if self._closed:
             raise ValueError("this DataLoader is closed; make a new one")
+        if not self._agreed:  # once, before the first plan: every rank the same dataset
+            check_same_dataset(self.dataset)
+            self._agreed = True
         pending, self._pending = self._pending, None
         iteration = self._iter_fast(pending) if self._fast else self._iter_torch(pending)
         self._live = weakref.ref(iteration)
@@ -444,7 +450,15 @@ class DataLoader(tud.DataLoader[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is, as JSON-serializable values: load it into a loader over the
-        same dataset (any world size or workers, for a fastload dataset) to continue."""
+        same dataset (any world size or workers, for a fastload dataset) to continue. A
+        fastload dataset's fingerprint goes with it: loading it over another listing fails."""
+        state = self._position()
+        if isinstance(self.dataset, ShardedDataset):
+            state["fingerprint"] = self.dataset.fingerprint
+            state["objects"] = len(self.dataset.store.manifest)
+        return state
+
+    def _position(self) -> dict[str, Any]:
         state: dict[str, Any] = {"fastload_loader": STATE_VERSION, "epoch": self._epoch}
         if self._pending is not None:
             return {**self._pending, "epoch": self._epoch}
@@ -483,6 +497,22 @@ class DataLoader(tud.DataLoader[Any]):
             raise ValueError(
                 "not a fastload DataLoader state (expected the dict from loader.state_dict() "
                 f"with fastload_loader={STATE_VERSION})"
+            )
+        saved = state.get("fingerprint")
+        dataset = self.dataset
+        if (
+            saved is not None
+            and isinstance(dataset, ShardedDataset)
+            and saved != dataset.fingerprint
+        ):
+            raise DatasetMismatchError(
+                f"this state was saved over another listing of the dataset than "
+                f"{dataset.store.url} now has ({state.get('objects', '?')} objects "
+                f"then, {len(dataset.store.manifest)} now; fingerprint "
+                f"{str(saved)[:12]}… then, {dataset.fingerprint[:12]}… now): its "
+                "position would be in another plan. Resume over the listing it was "
+                "saved with (the same cache directory, without refresh), or start the "
+                "epoch again"
             )
         self._drop_iterations()
         epoch = int(state.get("epoch", 0))
