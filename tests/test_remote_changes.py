@@ -21,7 +21,7 @@ import pytest
 import fastload as fl
 from fastload.errors import RemoteChangedError, RemoteError
 from fastload.staging import FetchConfig
-from fastload.testing import RangeHTTPServer, S3FolderServer, S3Server
+from fastload.testing import HubServerProcess, RangeHTTPServer, S3FolderServer, S3Server
 
 N = 10
 CHANGED = {3: "same size", 5: "grown"}
@@ -167,3 +167,36 @@ def test_refresh_reads_the_new_version(tmp_path: Path) -> None:
 def test_on_change_is_checked() -> None:
     with pytest.raises(ValueError, match="on_change"):
         fl.DataLoader([1, 2], on_change="ignore")
+
+
+def test_a_hub_object_is_read_at_the_listed_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hf:// is pinned at the listed commit: a commit pushed after the listing does not mix
+    in (and the answer's size is checked against the listing all the same)."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    root = tmp_path / "repo" / "train"
+    root.mkdir(parents=True)
+    for i in range(N):
+        (root / key(i)).write_bytes(first(i))
+    with HubServerProcess(tmp_path / "repo", token="hf_" + "r" * 34) as hub:
+        options = {"cache_dir": str(tmp_path / "c"), "storage_options": hub.storage_options}
+        ds = fl.open_dataset(hub.url_for("train"), format="files", **options)
+        for i in CHANGED:
+            (root / key(i)).write_bytes(second(i))
+        hub.commit()  # main moves on
+        assert [ds[i] for i in range(N)] == [first(i) for i in range(N)]
+        again = fl.open_dataset(hub.url_for("train"), format="files", refresh=True, **options)
+        assert [again[i] for i in CHANGED] == [second(i) for i in CHANGED]
+
+
+def test_a_change_found_in_the_staging_process_reaches_the_loop_as_itself(
+    tmp_path: Path,
+) -> None:
+    with serve("s3-folder", tmp_path) as served:
+        fetch = FetchConfig(staging_process=True, retries=2, backoff_s=0.01)
+        ds = open_changed(served, tmp_path / "c", fetch)
+        with pytest.raises(RemoteChangedError, match="changed on the remote") as caught:
+            ds.warm()
+        assert caught.value.what  # how it showed (a 412 to If-Match) crossed the pipe
+    assert_no_new_bytes_cached(tmp_path / "c")
