@@ -11,11 +11,13 @@ import contextlib
 import io
 import json
 import logging
+import os
 import pickle
 import struct
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from fastload.datasets.tar import (
     write_index,
 )
 from fastload.store import CachedStore, StoreConfig
-from fastload.testing import S3FolderServer
+from fastload.testing import HubServerProcess, S3FolderServer
 from fastload.warm import NodeShare, warm
 
 FASTLOAD = str(Path(sys.executable).parent / "fastload")
@@ -95,7 +97,8 @@ def test_an_indexed_dataset_opens_reading_only_its_index(
     kind: str, tmp_path: Path, shards: dict[str, bytes]
 ) -> None:
     with serve(kind, tmp_path, {**shards, "README.md": b"not a shard"}) as remote:
-        report = index_of(remote, tmp_path / "c")
+        # a bucket gets the index beside its shards only when asked
+        report = index_of(remote, tmp_path / "c", **({"to": "dataset"} if kind == "s3" else {}))
         assert (report.shards, report.samples) == (4, 40)
         assert report.shard_bytes == sum(map(len, shards.values()))
         if kind == "http":  # nowhere to write next to the shards: the cache holds it
@@ -155,7 +158,7 @@ def test_a_sample_of_an_indexed_shard_is_one_range_without_the_shard(
     """What a loader can do for a first batch: read a sample's ranges alone (cached as
     range entries), not the whole shard first."""
     with serve("s3", tmp_path, shards) as remote:
-        index_of(remote, tmp_path / "c")
+        index_of(remote, tmp_path / "c", to="dataset")
         ds = open_tar(remote, tmp_path / "fresh")
         assert remote.server is not None
         remote.server.reset_stats()
@@ -234,7 +237,7 @@ def test_an_offset_that_is_no_member_is_refused_naming_the_shard(
     tmp_path: Path, shards: dict[str, bytes]
 ) -> None:
     with serve("s3", tmp_path, shards) as remote:
-        index_of(remote, tmp_path / "c")
+        index_of(remote, tmp_path / "c", to="dataset")
         store = open_tar(remote, tmp_path / "c").store
         # shard-001's members at the offsets of shard-000's (same size and version kept)
         wrong = []
@@ -268,7 +271,7 @@ def test_a_changed_shard_is_indexed_again_the_rest_from_the_index(
     tmp_path: Path, shards: dict[str, bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
     with serve("s3", tmp_path, dict(shards)) as remote:
-        index_of(remote, tmp_path / "c")
+        index_of(remote, tmp_path / "c", to="dataset")
         changed = tar_bytes([("new.jpg", b"j"), ("new.cls", b"1")])
         assert isinstance(remote.server, S3FolderServer)
         remote.server.put("data", "ds/shard-001.tar", changed)
@@ -361,19 +364,30 @@ def test_an_unusable_wids_index_is_ignored_with_a_warning(
 # --- where the index goes ------------------------------------------------------------------
 
 
-def test_a_bucket_that_refuses_writes_gets_the_index_in_the_cache(
+def test_a_bucket_gets_the_index_in_the_cache_unless_asked(
     tmp_path: Path, shards: dict[str, bytes]
 ) -> None:
+    """fastload writes to a remote only when asked: by default a bucket's index goes into
+    the cache, without a PUT reaching the bucket, and opens with that cache read only it."""
     with serve("s3", tmp_path, shards) as remote:
-        assert remote.server is not None
-        remote.server.fail_next(10, 403, code="AccessDenied", methods=["PUT", "POST"])
+        assert isinstance(remote.server, S3FolderServer)
         report = index_of(remote, tmp_path / "c")
         assert report.in_cache
-        assert "refused" in report.why_in_cache
+        assert "only when asked" in report.why_in_cache
+        writes = [m for (m, _) in remote.server.stats().requests if m in ("PUT", "POST", "DELETE")]
+        assert writes == []
+        assert not (tmp_path / "buckets" / "data" / "ds" / INDEX_NAME).exists()
         remote.server.reset_stats()
         ds = open_tar(remote, tmp_path / "c")
         assert ds.shard_sizes == [10] * 4
         assert fetched_keys(remote) == set()
+
+
+def test_a_bucket_that_refuses_writes_fails_an_index_asked_beside_it(
+    tmp_path: Path, shards: dict[str, bytes]
+) -> None:
+    with serve("s3", tmp_path, shards) as remote:
+        assert remote.server is not None
         remote.server.fail_next(10, 403, code="AccessDenied", methods=["PUT", "POST"])
         with pytest.raises(DatasetError, match="refused"):
             index_of(remote, tmp_path / "c", to="dataset")
@@ -403,7 +417,7 @@ def test_warming_a_node_share_fetches_exactly_its_shards(tmp_path: Path, index: 
     with serve("s3", tmp_path, objects) as remote:
         assert remote.server is not None
         if index == "fastload":
-            index_of(remote, tmp_path / "indexing")
+            index_of(remote, tmp_path / "indexing", to="dataset")
             objects[INDEX_NAME] = (tmp_path / "buckets" / "data" / "ds" / INDEX_NAME).read_bytes()
         index_key = INDEX_NAME if index == "fastload" else WIDS_INDEX_NAME
         share = NodeShare(ranks=(1, 2), world_size=8, epochs=(0,), format="auto", seed=3)
@@ -457,7 +471,6 @@ def test_cli_indexes_a_local_folder(tmp_path: Path, shards: dict[str, bytes]) ->
 
 
 def test_cli_indexes_a_bucket(tmp_path: Path, shards: dict[str, bytes]) -> None:
-    import os
 
     with serve("s3", tmp_path, shards) as remote:
         assert isinstance(remote.server, S3FolderServer)
@@ -468,7 +481,8 @@ def test_cli_indexes_a_bucket(tmp_path: Path, shards: dict[str, bytes]) -> None:
             "AWS_ENDPOINT_URL": remote.server.endpoint_url,
             "AWS_DEFAULT_REGION": "us-east-1",
         }
-        out = run_cli("index", remote.url, "--cache-dir", str(tmp_path / "c"), "--json", env=env)
+        args = ("--cache-dir", str(tmp_path / "c"), "--to", "dataset", "--json")
+        out = run_cli("index", remote.url, *args, env=env)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["written_to"] == f"s3://data/ds/{INDEX_NAME}"
         assert (tmp_path / "buckets" / "data" / "ds" / INDEX_NAME).exists()
@@ -522,7 +536,7 @@ def test_a_first_batch_reads_large_indexed_shards_by_range(
 
     monkeypatch.setattr(planner, "RANGED_MIN_BYTES", 1)  # these shards count as large
     with serve("s3", tmp_path, shards) as remote:
-        index_of(remote, tmp_path / "c")
+        index_of(remote, tmp_path / "c", to="dataset")
         ds = open_tar(remote, tmp_path / "fresh")
         assert remote.server is not None
         remote.server.reset_stats()
@@ -535,3 +549,51 @@ def test_a_first_batch_reads_large_indexed_shards_by_range(
     assert first == [expected[i] for i in range(3)]
     assert counts["range_reads"] >= 3  # and the batches read ahead meanwhile
     assert sent < len(shards[sorted(shards)[0]])  # a few samples' ranges, not the shard
+
+
+# --- never a write to the Hub ------------------------------------------------------------------
+
+
+@pytest.fixture
+def hub_shards(
+    tmp_path: Path, shards: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[HubServerProcess]:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    root = tmp_path / "repo"
+    (root / "train").mkdir(parents=True)
+    for name, data in shards.items():
+        (root / "train" / name).write_bytes(data)
+    # a write token: a commit would be accepted by the real Hub
+    with HubServerProcess(root, token="hf_" + "w" * 34) as server:
+        yield server
+
+
+def test_indexing_a_hub_dataset_never_commits_to_it(
+    tmp_path: Path, hub_shards: HubServerProcess
+) -> None:
+    env = {**os.environ, **hub_shards.env}
+    url = hub_shards.url_for("train")
+    out = run_cli("index", url, "--cache-dir", str(tmp_path / "c"), "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["in_cache"]
+    assert "Hugging Face" in report["why_in_cache"]
+    assert (report["shards"], report["samples"]) == (4, 40)
+    assert hub_shards.stats().get("upload", 0) == 0
+    assert not (tmp_path / "repo" / "train" / INDEX_NAME).exists()
+
+
+def test_indexing_beside_a_hub_dataset_is_refused_in_one_line(
+    tmp_path: Path, hub_shards: HubServerProcess
+) -> None:
+    env = {**os.environ, **hub_shards.env}
+    url = hub_shards.url_for("train")
+    out = run_cli("index", url, "--cache-dir", str(tmp_path / "c"), "--to", "dataset", env=env)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert "never commits to a Hugging Face repository" in lines[0]
+    assert "Traceback" not in out.stderr
+    stats = hub_shards.stats()
+    assert stats.get("upload", 0) == 0
+    assert stats.get("resolve", 0) == 0  # refused before a shard was read

@@ -582,7 +582,9 @@ def test_a_missing_package_fails_at_once_naming_the_url_and_the_extra(
     calls = []
 
     class NeedsAPackage:
-        def get(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        def get(
+            self, path: str, start: int | None = None, end: int | None = None, pin: object = None
+        ) -> bytes:
             calls.append(path)
             raise ModuleNotFoundError("No module named 'aiohttp'")
 

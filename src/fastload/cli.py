@@ -524,8 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a tar dataset's index once, so that opening it reads only the index",
         description=(
             "Reads each .tar shard under URL once (streamed, not cached) and writes "
-            "fastload's index of their samples: fastload.flidx next to the shards where it "
-            "can (a local folder, a bucket with write access), else into the cache."
+            "fastload's index of their samples: fastload.flidx next to the shards of a local "
+            "folder, into the cache for a remote; next to a bucket's shards only with "
+            "--to dataset (never into a Hugging Face repository)."
         ),
     )
     index.add_argument("url")
@@ -534,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--to",
         choices=["auto", "dataset", "cache"],
         default="auto",
-        help="next to the shards (dataset), into the cache, or the first that works (auto)",
+        help="next to the shards (dataset; never hf://), into the cache, or auto: next to a "
+        "local folder's shards, into the cache for a remote",
     )
     index.add_argument("--jobs", type=positive_int, help="shards read at once (default 8)")
     index.add_argument("--json", action="store_true")

@@ -50,6 +50,30 @@ class RemoteAccessError(RemoteError, PermissionError):
     """The remote refused access (HTTP 401/403, S3 AccessDenied, missing credentials)."""
 
 
+class RemoteChangedError(RemoteError):
+    """The object changed on the remote since the dataset was listed (another ETag, version
+    or size): its bytes would mix versions, so none are used. Permanent: a retry reads the
+    same new version; opening the dataset again with ``refresh=True`` lists it anew.
+    ``what`` says how the change showed (a 412 to ``If-Match``, another ETag or size)."""
+
+    what: str = ""
+
+
+class CredentialsInURLError(FastloadError, ValueError):
+    """A URL carries ``user:password@``: credentials go in storage_options or the
+    environment, where nothing prints them."""
+
+
+class DatasetMismatchError(FastloadError, ValueError):
+    """Ranks of one job, or a saved state and a loader, see different datasets (another
+    listing: objects added, removed or changed); the message says which and how."""
+
+
+class UnsafeCachePathError(FastloadError, OSError):
+    """A path fastload owns in its cache directory is a symbolic link (or not what fastload
+    made): writing through it could land anywhere, so nothing is written."""
+
+
 class RemoteIntegrityError(RemoteError):
     """The bytes received do not match the size or checksum the remote advertised."""
 

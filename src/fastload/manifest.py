@@ -24,6 +24,7 @@ blob.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, BinaryIO, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +49,7 @@ from fastload.remote import public_url
 from fastload.remote.crawl import list_remote
 from fastload.remote.listing import ENCODING as _ENCODING
 from fastload.remote.listing import Listing
+from fastload.safe_files import own_folder, unsafe, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +107,36 @@ class Manifest:
         self._hash_order = np.argsort(hashes, kind="stable").astype(np.int64)
         self._key_hashes = hashes[self._hash_order]
         self._total_bytes: int | None = None
+        self._fingerprint: str | None = None
         self.path: Path | None = None
 
     # --- reading ---------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._sizes)
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of what was listed: every key, size and version (xxh3-128 over the
+        columns themselves, no object per entry; computed once). Two listings with the same
+        fingerprint give the same plan; ranks that see different ones must not train."""
+        if self._fingerprint is None:
+            self._fingerprint = self.fingerprint_of(0, len(self))
+        return self._fingerprint
+
+    def fingerprint_of(self, start: int, end: int) -> str:
+        """The digest of objects [start, end): their keys, sizes and versions."""
+        digest = xxhash.xxh3_128()
+        for offsets, blob in (
+            (self._key_offsets, self._key_blob),
+            (self._version_offsets, self._version_blob),
+        ):
+            lo, hi = int(offsets[start]), int(offsets[end])
+            digest.update(np.ascontiguousarray(offsets[start : end + 1] - lo, "<i8").data)
+            digest.update(blob[lo:hi])
+        digest.update(np.ascontiguousarray(self._sizes[start:end], "<i8").data)
+        digest.update(np.ascontiguousarray(self._version_present[start:end], "u1").data)
+        return digest.hexdigest()
 
     def key(self, i: int) -> str:
         o = self._key_offsets
@@ -247,11 +273,8 @@ class Manifest:
         except (OSError, ValueError, KeyError, EOFError):
             pass  # none yet, from an older listing, or unreadable: make it
         arrays = {k: np.asarray(v) for k, v in make().items()}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            payload: dict[str, Any] = {"listed_at": np.float64(self.listed_at), **arrays}
-            np.savez(f, **payload)
-        os.replace(tmp, path)
+        payload: dict[str, Any] = {"listed_at": np.float64(self.listed_at), **arrays}
+        write_atomically(path, lambda f: np.savez(f, **payload))  # never through a link
         return arrays
 
     # --- the file --------------------------------------------------------------------------
@@ -269,9 +292,8 @@ class Manifest:
         ).encode()
         head = _MAGIC + np.uint64(len(header)).tobytes() + header
         head += b"\0" * (-len(head) % 8)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+
+        def write(f: BinaryIO) -> None:
             f.write(head)
             for array in (self._key_offsets, self._sizes, self._version_offsets):
                 f.write(np.ascontiguousarray(array, dtype="<i8").tobytes())
@@ -280,9 +302,10 @@ class Manifest:
             f.write(np.ascontiguousarray(self._version_present, dtype=np.uint8).tobytes())
             f.write(self._key_blob)
             f.write(self._version_blob)
-            f.flush()
-            os.fsync(f.fileno())  # whole on disk before it is renamed into place
-        os.replace(tmp, path)
+
+        # A new file (never through a link planted in manifests/), whole on disk before it
+        # is renamed into place.
+        write_atomically(path, write, fsync=True)
         self.path = path
 
     @classmethod
@@ -320,6 +343,7 @@ class Manifest:
         self._key_blob = view[at : at + key_bytes]
         self._version_blob = view[at + key_bytes : at + key_bytes + version_bytes]
         self._total_bytes = None
+        self._fingerprint = None
         self.path = path
         return self
 
@@ -453,7 +477,7 @@ def load_manifest(
         manifest = _load_saved(path, ttl_s, None)
         if manifest is not None:
             return manifest
-    path.parent.mkdir(parents=True, exist_ok=True)
+    own_folder(path.parent)
     with _ListingLock(path.with_suffix(".lock"), public_url(url)):
         manifest = _load_saved(path, ttl_s, asked_at if refresh else None)
         if manifest is not None:
@@ -487,7 +511,13 @@ class _ListingLock:
         self._fd = -1
 
     def __enter__(self) -> None:
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise unsafe(self.path, "a symbolic link") from None
+            raise
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -19,7 +19,7 @@ from typing import Any
 from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
-from fastload.remote import integrity_error, open_filesystem, public_url
+from fastload.remote import integrity_error, open_filesystem, public_url, refuse_credentials
 from fastload.staging import FetchConfig, Holding, Stager, StageResult
 from fastload.staging.planner import Range
 from fastload.staging.range_pool import range_pool
@@ -51,6 +51,9 @@ class StoreConfig:
     refresh: bool = False
     ttl_s: float | None = None
     fetch: FetchConfig = field(default_factory=FetchConfig)
+
+    def __post_init__(self) -> None:
+        refuse_credentials(self.url)  # before the URL is listed, logged or kept anywhere
 
 
 class CachedStore:

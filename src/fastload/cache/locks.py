@@ -48,7 +48,9 @@ class FetchLocks:
 
     def _file(self) -> int:
         if self._pid != os.getpid():  # record locks are not inherited by a forked child
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # O_NOFOLLOW: a link planted at the lock's name is refused, not written through
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._fd = os.open(self.path, flags, 0o644)
             self._pid = os.getpid()
             self._held = set()
         return self._fd

@@ -37,7 +37,8 @@ import xxhash
 
 from fastload.cache.config import CacheConfig
 from fastload.cache.locks import FetchLocks
-from fastload.errors import CacheError
+from fastload.errors import CacheError, UnsafeCachePathError
+from fastload.safe_files import check_own, open_exclusive, own_folder
 
 SEGMENT_BYTES_MAX = 64 << 20
 SEGMENT_BYTES_MIN = 1 << 20  # a budget too small for 64 such segments packs nothing
@@ -101,6 +102,19 @@ def disk_error(exc: OSError, path: Path | str) -> CacheError:
     return CacheError(exc.errno or errno.EIO, f"cannot write {path}: {exc.strerror}", str(path))
 
 
+# Files and folders of the cache directory that fastload writes, checked not to be links
+# when the cache opens (sqlite and the lock files would write through one).
+_OWN_NAMES = (
+    "manifests",
+    "indexes",
+    "index.sqlite",
+    "index.sqlite-wal",
+    "index.sqlite-shm",
+    "index.sqlite-journal",
+    "fetch.lock",
+)
+
+
 class PartFile:
     """An entry's bytes on their way into the cache, hashed as written.
 
@@ -123,9 +137,10 @@ class PartFile:
             self._open()
 
     def _open(self) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        try:
-            self._fd = os.open(self.path, flags, 0o644)
+        try:  # never through a link planted at the part's (predictable) name
+            self._fd = open_exclusive(self.path)
+        except UnsafeCachePathError:
+            raise
         except OSError as exc:
             raise disk_error(exc, self.path) from exc
 
@@ -211,7 +226,9 @@ class Storage:
         self._active: _Segment | None = None
         self._grown: list[tuple[int, int]] = []
         for sub in ("objects", "segments", "tmp"):
-            (directory / sub).mkdir(parents=True, exist_ok=True)
+            own_folder(directory / sub)  # a link there would take every write elsewhere
+        for name in _OWN_NAMES:
+            check_own(directory / name, folder=name in ("manifests", "indexes"))
 
     # --- where ---------------------------------------------------------------------------------
 
@@ -245,6 +262,7 @@ class Storage:
         """Moves a part into its own file (os.replace: readers see all of it or nothing)."""
         part.to_file(fsync=self.fsync)
         final = self.object_path(oid)
+        check_own(os.path.dirname(final), folder=True)
         try:
             os.replace(part.path, final)
         except FileNotFoundError:  # the subfolder's first entry

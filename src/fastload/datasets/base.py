@@ -102,6 +102,12 @@ class ShardedDataset:
     def __len__(self) -> int:
         return int(self.shard_offsets[-1])
 
+    @property
+    def fingerprint(self) -> str:
+        """The digest of the dataset's listing (its keys, sizes and versions): equal on two
+        nodes exactly when they see the same dataset, hence make the same plan."""
+        return self.store.manifest.fingerprint
+
     def shard_of(self, index: int) -> int:
         return int(np.searchsorted(self.shard_offsets, index, side="right")) - 1
 

@@ -11,6 +11,7 @@ folder without classes).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import threading
 import time
@@ -23,7 +24,7 @@ from torch.utils.data import default_collate
 from fastload.cache import Location
 from fastload.datasets.base import Range, ShardedDataset
 from fastload.decode import DecodedBatch, DecodeError, Decoder
-from fastload.errors import FastloadError
+from fastload.errors import FastloadError, RemoteChangedError
 from fastload.loader.staging_ahead import StagingAhead
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
@@ -68,8 +69,12 @@ class BatchBuilder:
         stats: LoaderStats,
         on_device: Callable[[Any], Any] | None = None,
         cuda_device: torch.device | None = None,
+        on_change: str = "raise",
     ) -> None:
         self.dataset = dataset
+        self.on_change = on_change
+        self._changed: set[str] = set()  # URLs of objects found changed on the remote
+        self._changed_lock = threading.Lock()
         self.collate_fn = collate_fn
         self.default_collate = collate_fn is default_collate
         self.batched = batched
@@ -114,7 +119,7 @@ class BatchBuilder:
     def _load(self, indices: list[int], epoch: int, context: _ReadContext) -> Any:
         with self.stats.timed("read", len(indices)):
             try:
-                samples = self._read(indices, context)
+                indices, samples = self._read_unchanged(indices, context)
             except BaseException as e:
                 raise _noted(e, "read") from None
         if self.decoder is not None:
@@ -164,6 +169,50 @@ class BatchBuilder:
             for keys in needed:
                 self._needed.update(keys)
             self.stats.count("objects_needed", len(self._needed) - before)
+
+    def _read_unchanged(
+        self, indices: list[int], context: _ReadContext
+    ) -> tuple[list[int], list[Any]]:
+        """(indices, samples) of a batch. With ``on_change="skip"`` the samples of objects
+        changed on the remote since the listing are left out, their places in the batch
+        going to good samples of it (indices too, so a label stays with its sample), as a
+        bad image's do with ``on_error="skip"``; each such object is counted once in
+        ``stats()["counts"]["changed_objects"]``."""
+        try:
+            return indices, self._read(indices, context)
+        except Exception as exc:
+            if self.on_change == "raise" or not self.batched or _changed_error(exc) is None:
+                raise
+        kept: list[tuple[int, Any]] = []
+        reasons: list[str] = []
+        for index in indices:
+            try:
+                kept.append((index, self._read([index], context)[0]))
+            except Exception as exc:
+                changed = _changed_error(exc)
+                if changed is None:
+                    raise
+                self._note_changed(changed)
+                reasons.append(f"{self.dataset.describe(index)}: {changed.reason}")
+        self.stats.skipped(reasons)
+        if not kept:
+            raise RemoteChangedError(
+                errno.ESTALE,
+                f"every sample of a batch is of an object changed on the remote since the "
+                f"listing (samples {indices[:8]}...), so on_change='skip' has nothing to fill "
+                f"it with; the first: {reasons[0]}. Open the dataset again with refresh=True",
+            )
+        spare = itertools.cycle(kept)
+        filled = kept + [next(spare) for _ in range(len(indices) - len(kept))]
+        return [i for i, _ in filled], [sample for _, sample in filled]
+
+    def _note_changed(self, error: RemoteChangedError) -> None:
+        url = str(error.filename)
+        with self._changed_lock:
+            if url in self._changed:
+                return
+            self._changed.add(url)
+        self.stats.count("changed_objects")
 
     def _located(self, key: str) -> Location | None:
         return self.dataset.store.local_path(key)
@@ -351,6 +400,18 @@ class BatchBuilder:
         )
         skipped = missing + [(present[pos], why) for pos, why in decoded.skipped]
         return DecodedBatch(decoded.images, [present[k] for k in decoded.kept], skipped)
+
+
+def _changed_error(exc: BaseException) -> RemoteChangedError | None:
+    """The RemoteChangedError exc is, or was raised from (a staging thread's, re-raised)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, RemoteChangedError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 class _SampleNames(Sequence[str]):

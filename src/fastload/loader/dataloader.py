@@ -37,6 +37,8 @@ from fastload.datasets import open_dataset
 from fastload.datasets.base import ShardedDataset
 from fastload.decode import choose_backend, make_decoder
 from fastload.decode.base import Decoder
+from fastload.errors import DatasetMismatchError
+from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.pipeline import Pipeline
 from fastload.loader.preemption import PreemptionHandler
@@ -79,7 +81,10 @@ class DataLoader(tud.DataLoader[Any]):
 
     Keyword-only extras: ``device`` (batches arrive there), ``decode`` (None: samples as the
     dataset gives them; "auto"/"dali"/"cpu": decode images, see ``fastload.decode``) with
-    ``transform`` (a preset or a callable) and ``on_error``; ``seed`` (the plan's shuffle
+    ``transform`` (a preset or a callable) and ``on_error``; ``on_change`` ("raise": an
+    object changed on the remote since the listing fails its batch, naming it; "skip": its
+    samples are left out as ``on_error="skip"`` leaves bad images, counted in
+    ``stats()["changed_objects"]``); ``seed`` (the plan's shuffle
     and the augmentations); ``rank``/``world_size`` (default: torch.distributed, else
     torchrun's environment); ``shard`` (None: shard fastload datasets by the plan, leave
     others as torch would); cache settings used when ``dataset`` is a URL; prefetch depth
@@ -112,6 +117,7 @@ class DataLoader(tud.DataLoader[Any]):
         transform: Any = None,
         seed: int = 0,
         on_error: str = "raise",
+        on_change: str = "raise",
         rank: int | None = None,
         world_size: int | None = None,
         shard: bool | None = None,
@@ -158,6 +164,8 @@ class DataLoader(tud.DataLoader[Any]):
             choose_backend(decode, target)  # type: ignore[arg-type]  # raises naming the package
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if on_change not in ("raise", "skip"):
+            raise ValueError(f"on_change must be 'raise' or 'skip', got {on_change!r}")
         if shard is None:
             shard = fastload_dataset
         plan_sampler: ShardedSampler | None = None
@@ -212,6 +220,7 @@ class DataLoader(tud.DataLoader[Any]):
         self.transform = transform
         self.seed = seed
         self.on_error = on_error
+        self.on_change = on_change
         self.prefetch_batches = prefetch_batches
         self.lookahead_bytes = (
             DEFAULT_LOOKAHEAD_BYTES if lookahead_bytes is None else lookahead_bytes
@@ -222,6 +231,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._epoch = 0
         self._pending: dict[str, Any] | None = None
         self._fast_forward = 0  # batches an IterableDataset replays after a resume
+        self._agreed = False  # whether the ranks agreed on the dataset (loader/agreement.py)
         self._stats = LoaderStats()
         self._decoder: Decoder | None = None
         self._builder: BatchBuilder | None = None
@@ -279,6 +289,9 @@ class DataLoader(tud.DataLoader[Any]):
     def __iter__(self) -> _Iteration:  # type: ignore[override]
         if self._closed:
             raise ValueError("this DataLoader is closed; make a new one")
+        if not self._agreed:  # once, before the first plan: every rank the same dataset
+            check_same_dataset(self.dataset)
+            self._agreed = True
         pending, self._pending = self._pending, None
         iteration = self._iter_fast(pending) if self._fast else self._iter_torch(pending)
         self._live = weakref.ref(iteration)
@@ -393,6 +406,7 @@ class DataLoader(tud.DataLoader[Any]):
                 stats=self._stats,
                 on_device=self._on_device(),
                 cuda_device=self._load_stream_device(),
+                on_change=self.on_change,
             )
         return self._builder
 
@@ -462,12 +476,20 @@ class DataLoader(tud.DataLoader[Any]):
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """Where the loader is, as JSON-serializable values: load it into a loader over the
-        same dataset (any world size or workers, for a fastload dataset) to continue.
+        same dataset (any world size or workers, for a fastload dataset) to continue. A
+        fastload dataset's fingerprint goes with it: loading it over another listing fails.
 
         ``step``: where it was right after delivering step ``step`` (``loader.step`` counts
         the batches delivered), for any of the last ``state_steps`` steps of this pass, so
         that a checkpoint of the model at step k saves the loader at k, whatever the
         loader has prefetched or delivered since."""
+        state = self._position(step)
+        if isinstance(self.dataset, ShardedDataset):
+            state["fingerprint"] = self.dataset.fingerprint
+            state["objects"] = len(self.dataset.store.manifest)
+        return state
+
+    def _position(self, step: int | None) -> dict[str, Any]:
         state: dict[str, Any] = {"fastload_loader": STATE_VERSION, "epoch": self._epoch}
         state["step"] = self.step
         if isinstance(self.dataset, ShardedDataset):
@@ -557,6 +579,22 @@ class DataLoader(tud.DataLoader[Any]):
             raise ValueError(
                 "not a fastload DataLoader state (expected the dict from loader.state_dict() "
                 f"with fastload_loader={STATE_VERSION})"
+            )
+        saved = state.get("fingerprint")
+        dataset = self.dataset
+        if (
+            saved is not None
+            and isinstance(dataset, ShardedDataset)
+            and saved != dataset.fingerprint
+        ):
+            raise DatasetMismatchError(
+                f"this state was saved over another listing of the dataset than "
+                f"{dataset.store.url} now has ({state.get('objects', '?')} objects "
+                f"then, {len(dataset.store.manifest)} now; fingerprint "
+                f"{str(saved)[:12]}… then, {dataset.fingerprint[:12]}… now): its "
+                "position would be in another plan. Resume over the listing it was "
+                "saved with (the same cache directory, without refresh), or start the "
+                "epoch again"
             )
         self._drop_iterations()
         epoch = int(state.get("epoch", 0))

@@ -84,5 +84,7 @@ class LoaderStats:
             "stages": stages,
             "counts": {k: v for k, v in sorted(counts.items()) if k not in stages},
             "skipped_samples": counts.get("skipped_samples", 0),
+            # objects changed on the remote since the listing (on_change="skip")
+            "changed_objects": counts.get("changed_objects", 0),
             "skipped_examples": skipped,
         }

@@ -26,6 +26,7 @@ from fastload.remote.urls import (
     key_of,
     open_filesystem,
     path_of,
+    refuse_credentials,
     remote_url,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "path_of",
     "public_url",
     "redact_transport_logs",
+    "refuse_credentials",
     "remote_url",
     "scrub",
     "with_retries",

@@ -24,11 +24,13 @@ from typing import TypeVar
 
 from fastload.errors import (
     RemoteAccessError,
+    RemoteChangedError,
     RemoteError,
     RemoteIntegrityError,
     RemoteNotFoundError,
 )
 from fastload.remote.scrub import clean_cause, public_url, scrub
+from fastload.remote.versions import Pin, VersionMismatch, changed_error
 
 T = TypeVar("T")
 E = TypeVar("E", bound=RemoteError)
@@ -162,6 +164,10 @@ def classify(exc: BaseException, url: str, *, attempts: int | None = None) -> Re
     url = public_url(url)
     reason, status, code = describe(exc)
     for e in _chain(exc):
+        if isinstance(e, VersionMismatch):
+            return changed_error(url, Pin(), str(e))
+        if _status(e) == 412 or _code_and_message(e)[0] == "PreconditionFailed":
+            return changed_error(url, Pin(), "the remote answered 412 Precondition Failed")
         if _untrusted_certificate(e):
             return _remote_error(
                 RemoteAccessError,
@@ -240,7 +246,7 @@ def _remote_error(
 
 
 def is_transient(error: RemoteError) -> bool:
-    return not isinstance(error, (RemoteNotFoundError, RemoteAccessError))
+    return not isinstance(error, (RemoteNotFoundError, RemoteAccessError, RemoteChangedError))
 
 
 def backoff_s(attempt: int, base_s: float, max_s: float) -> float:

@@ -14,7 +14,8 @@ import fsspec
 from fastload.remote.errors import HTTPResponseError, NotFoundResponse
 from fastload.remote.listing import Listing
 from fastload.remote.scrub import scrub
-from fastload.remote.transport import Buffer, FsspecTransport
+from fastload.remote.transport import Buffer, FsspecTransport, total_of
+from fastload.remote.versions import Pin, VersionMismatch, check_total
 
 
 def is_hf(fs: fsspec.AbstractFileSystem) -> bool:
@@ -116,14 +117,18 @@ class HubTransport:
             return None
         return cls(fs, timeout_s, FsspecTransport(fs, timeout_s))
 
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
+    def get(
+        self, path: str, start: int | None = None, end: int | None = None, pin: Pin | None = None
+    ) -> Buffer:
+        """A file at the commit its path names (:func:`fastload.remote.path_of` pins it at
+        the listed one), its size checked against ``pin``'s."""
         from huggingface_hub import get_session, hf_hub_url
 
         if start is not None and start == end:
             return b""
         parsed = hf_parse(path)
         if not parsed.is_repo or not parsed.path_in_repo:
-            return self._fallback.get(path, start, end)  # a bucket's file: HfFileSystem's
+            return self._fallback.get(path, start, end, pin)  # a bucket's file: HfFileSystem's
         url = hf_hub_url(
             parsed.repo_id,
             parsed.path_in_repo,
@@ -151,7 +156,14 @@ class HubTransport:
             answer = NotFoundResponse if status == 404 else HTTPResponseError
             raise answer(status, code, message)
         data = response.content
-        if status == 200 and (start or end is not None):  # a range answered whole
+        ranged = start is not None or end is not None
+        total = total_of(response.headers.get("Content-Range")) if status == 206 else None
+        if status == 200 and response.headers.get("Content-Encoding") in (None, "identity"):
+            total = len(data)
+        why = check_total(pin, total) if status in (200, 206) else None
+        if why is not None:
+            raise VersionMismatch(why)
+        if status == 200 and ranged:  # a range answered whole
             data = data[start or 0 : end]
         return data
 

@@ -63,6 +63,7 @@ from fastload.remote.scrub import scrub
 from fastload.remote.throttle import Throttle, shared_throttle
 from fastload.remote.transport import Buffer, FsspecTransport
 from fastload.remote.urls import is_http
+from fastload.remote.versions import Pin, VersionMismatch, check_total, strong_etag
 
 
 class Declined(Exception):
@@ -105,10 +106,18 @@ class _ObstoreTransport:
             return store
 
     def _get(
-        self, key: str, location: str, path: str, start: int | None, end: int | None
+        self,
+        key: str,
+        location: str,
+        path: str,
+        start: int | None,
+        end: int | None,
+        pin: Pin | None,
+        version_id: bool,
     ) -> Buffer:
-        """Bytes [start, end) of location in key's store; path (the fsspec path) goes to
-        fsspec where the store declines."""
+        """Bytes [start, end) of location in key's store, of pin's version (``If-Match``
+        with its ETag, or S3's ``versionId`` where ``version_id``; the answer's object size
+        checked); path (the fsspec path) goes to fsspec where the store declines."""
         import obstore
 
         options: dict[str, Any] = {}
@@ -117,15 +126,28 @@ class _ObstoreTransport:
                 options["range"] = {"offset": start or 0}
             else:
                 options["range"] = (start or 0, end)
+        etag = strong_etag(pin)
+        if version_id and pin is not None and pin.version_id is not None:
+            options["version"] = pin.version_id
+        elif etag is not None:
+            options["if_match"] = etag
         try:
             answer = obstore.get(self._store(key), location, options=options)  # type: ignore[arg-type]
-            return memoryview(answer.bytes())
+            meta = answer.meta
+            data = memoryview(answer.bytes())
         except Exception as exc:
             error = _translate(exc, self._fallback.timeout_s)
             if isinstance(error, Declined):
                 self._declined.add(key)
-                return self._fallback.get(path, start, end)
+                return self._fallback.get(path, start, end, pin)
             raise error from None
+        answered = meta.get("e_tag")
+        if etag is not None and answered and not answered.startswith("W/") and answered != etag:
+            raise VersionMismatch(f"its ETag is now {answered}")
+        why = check_total(pin, meta.get("size"))
+        if why is not None:
+            raise VersionMismatch(why)
+        return data
 
 
 def _client_options(timeout_s: float, scheme: str, verify: bool | str | None) -> dict[str, Any]:
@@ -202,13 +224,15 @@ class ObjectStoreTransport(_ObstoreTransport):
             settings["credential_provider"] = _Credentials(fs, client)
         return cls(fs, settings, FsspecTransport(fs, timeout_s))
 
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
+    def get(
+        self, path: str, start: int | None = None, end: int | None = None, pin: Pin | None = None
+    ) -> Buffer:
         if self._forked():
-            return self._fallback.get(path, start, end)
+            return self._fallback.get(path, start, end, pin)
         bucket, key, version = self._fs.split_path(path)
         if version or bucket in self._declined:
-            return self._fallback.get(path, start, end)
-        return self._get(bucket, key, path, start, end)
+            return self._fallback.get(path, start, end, pin)
+        return self._get(bucket, key, path, start, end, pin, version_id=True)
 
     def list_columns(
         self, root: str, progress: Callable[[int], None] | None = None
@@ -433,13 +457,15 @@ class ObjectStoreHTTPTransport(_ObstoreTransport):
             settings["default_headers"] = headers
         return cls(settings, bool(getattr(fs, "encoded", False)), FsspecTransport(fs, timeout_s))
 
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
+    def get(
+        self, path: str, start: int | None = None, end: int | None = None, pin: Pin | None = None
+    ) -> Buffer:
         if start is not None and start == end:
             return b""  # as fsspec answers, without a request
         target = None if self._forked() else _http_target(path, self._encoded)
         if target is None or target[0] in self._declined:
-            return self._fallback.get(path, start, end)
-        return self._get(target[0], target[1], path, start, end)
+            return self._fallback.get(path, start, end, pin)
+        return self._get(target[0], target[1], path, start, end, pin, version_id=False)
 
     def list_columns(
         self, root: str, progress: Callable[[int], None] | None = None
@@ -565,6 +591,8 @@ def _translate(exc: BaseException, timeout_s: float) -> BaseException:
     (which carries the request's URL): the status and S3's code and message, or a
     connection error naming what failed."""
     text = str(exc)
+    if type(exc).__name__ in ("PreconditionError", "NotModifiedError"):  # a 412 to If-Match
+        return VersionMismatch("the remote answered 412 Precondition Failed")
     match = _STATUS.search(text)
     if match is None:
         if _UNFOLLOWED.search(text):

@@ -4,12 +4,14 @@ its fsspec implementation, which serves every filesystem and which the faster tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import fsspec
 
 from fastload.remote.listing import Listing
+from fastload.remote.versions import Pin, VersionMismatch, check_total, strong_etag
 
 Buffer = bytes | memoryview
 
@@ -17,9 +19,14 @@ Buffer = bytes | memoryview
 class Transport(Protocol):
     """GETs (blocking; the GIL is released while waiting where the backend allows it)."""
 
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
-        """Bytes [start, end) of the object at path (a path of the fsspec filesystem);
-        raises what :func:`fastload.remote.classify` sorts, never text with a secret."""
+    def get(
+        self, path: str, start: int | None = None, end: int | None = None, pin: Pin | None = None
+    ) -> Buffer:
+        """Bytes [start, end) of the object at path (a path of the fsspec filesystem), of
+        the version ``pin`` names where the remote can say (the ETag sent as ``If-Match``,
+        S3's version id, the object's size checked on the answer; a mismatch raises
+        :class:`fastload.remote.versions.VersionMismatch`); raises what
+        :func:`fastload.remote.classify` sorts, never text with a secret."""
         ...
 
     def list_columns(
@@ -38,12 +45,16 @@ class FsspecTransport:
         self.fs = fs
         self.timeout_s = timeout_s
 
-    def get(self, path: str, start: int | None = None, end: int | None = None) -> Buffer:
+    def get(
+        self, path: str, start: int | None = None, end: int | None = None, pin: Pin | None = None
+    ) -> Buffer:
         fs: Any = self.fs
         if getattr(fs, "async_impl", False):
+            pinned = _pinned_get(fs, pin)
+            get = fs._cat_file if pinned is None else pinned
             try:
                 data = fsspec.asyn.sync(
-                    fs.loop, fs._cat_file, path, start=start, end=end, timeout=self.timeout_s
+                    fs.loop, get, path, start=start, end=end, timeout=self.timeout_s
                 )
             except fsspec.asyn.FSTimeoutError:
                 raise TimeoutError(f"no complete answer within {self.timeout_s:g}s") from None
@@ -55,3 +66,97 @@ class FsspecTransport:
         self, root: str, progress: Callable[[int], None] | None = None
     ) -> Listing | None:
         return None
+
+
+def _pinned_get(fs: Any, pin: Pin | None) -> Callable[..., Any] | None:
+    """A coroutine function (path, start, end) that GETs from fs at pin's version where fs
+    is s3fs or fsspec's HTTP filesystem (what fsspec's ``_cat_file`` cannot send); None
+    for other filesystems, or with nothing to pin."""
+    if pin is None or (pin.etag is None and pin.version_id is None and pin.size is None):
+        return None
+    name = type(fs).__name__
+    if name == "S3FileSystem" and hasattr(fs, "_call_s3"):
+
+        async def s3_get(path: str, start: int | None, end: int | None) -> bytes:
+            bucket, key, listed_version = fs.split_path(path)
+            request: dict[str, Any] = {"Bucket": bucket, "Key": key}
+            version_id = pin.version_id or listed_version
+            etag = strong_etag(pin)
+            if version_id:
+                request["VersionId"] = version_id
+            elif etag is not None:
+                request["IfMatch"] = etag
+            ranged = start is not None or end is not None
+            if ranged:
+                request["Range"] = await fs._process_limits(path, start, end)
+            answer = await fs._call_s3("get_object", **request)
+            try:
+                _check_answer(pin, answer.get("ETag"), _object_size(answer, ranged))
+                return bytes(await answer["Body"].read())
+            finally:
+                answer["Body"].close()
+
+        return s3_get
+    if name == "HTTPFileSystem" and hasattr(fs, "set_session"):
+
+        async def http_get(path: str, start: int | None, end: int | None) -> bytes:
+            if start is not None and start == end:
+                return b""
+            kw = dict(fs.kwargs)
+            headers = dict(kw.pop("headers", None) or {})
+            etag = strong_etag(pin)
+            if etag is not None:
+                headers["If-Match"] = etag  # whole or ranged: 412 if it changed
+            ranged = start is not None or end is not None
+            if ranged:
+                headers["Range"] = await fs._process_limits(path, start, end)
+            session = await fs.set_session()
+            async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+                if r.status == 412:
+                    raise VersionMismatch("the remote answered 412 Precondition Failed")
+                fs._raise_not_found_for_status(r, path)
+                _check_answer(pin, r.headers.get("ETag"), _http_size(r.headers, ranged))
+                return bytes(await r.read())
+
+        return http_get
+    return None
+
+
+_CONTENT_RANGE = re.compile(r"bytes\s+(?:\d+-\d+|\*)/(\d+)")
+
+
+def total_of(content_range: str | None) -> int | None:
+    """The object's size a Content-Range header gives (``bytes 0-9/1234`` -> 1234)."""
+    match = _CONTENT_RANGE.match(content_range or "")
+    return int(match.group(1)) if match else None
+
+
+def _object_size(answer: Mapping[str, Any], ranged: bool) -> int | None:
+    """The whole object's size a botocore GetObject answer gives."""
+    if ranged:
+        return total_of(answer.get("ContentRange"))
+    length = answer.get("ContentLength")
+    return length if isinstance(length, int) else None
+
+
+def _http_size(headers: Mapping[str, str], ranged: bool) -> int | None:
+    """The whole object's size an HTTP answer gives (none for an encoded body)."""
+    if headers.get("Content-Encoding") not in (None, "identity"):
+        return None
+    if ranged:
+        return total_of(headers.get("Content-Range"))
+    try:
+        return int(headers.get("Content-Length") or "")
+    except ValueError:
+        return None
+
+
+def _check_answer(pin: Pin, etag: str | None, total: int | None) -> None:
+    """Raises VersionMismatch where an answer is not of the listed version: another
+    strong ETag (a server that ignored If-Match), or another size."""
+    listed = strong_etag(pin)
+    if listed is not None and etag and not etag.startswith("W/") and etag != listed:
+        raise VersionMismatch(f"its ETag is now {etag}")
+    why = check_total(pin, total)
+    if why is not None:
+        raise VersionMismatch(why)

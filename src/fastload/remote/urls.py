@@ -4,12 +4,18 @@ and a path's key, and the URL shown to users (no credentials, no query string)."
 from __future__ import annotations
 
 import errno
+import re
 import urllib.parse
 from typing import Any
 
 import fsspec
 
-from fastload.errors import MissingBackendError, RemoteError, UnknownProtocolError
+from fastload.errors import (
+    CredentialsInURLError,
+    MissingBackendError,
+    RemoteError,
+    UnknownProtocolError,
+)
 from fastload.remote.hub import hf_commit, hf_pinned, is_hf
 from fastload.remote.scrub import public_url, redact_transport_logs
 
@@ -47,6 +53,7 @@ def open_filesystem(
     Raises UnknownProtocolError for a protocol fsspec does not know, MissingBackendError
     (naming the package) where its backend is not installed.
     """
+    refuse_credentials(url)
     check_protocols(url)
     options = dict(storage_options or {})
     if fsspec.core.split_protocol(url)[0] in ("s3", "s3a"):
@@ -56,6 +63,24 @@ def open_filesystem(
     fs, root = fsspec.core.url_to_fs(url, **options)
     redact_transport_logs()  # the backend's modules (and their loggers) are imported now
     return fs, root.rstrip("/") if root not in ("/", "") else root
+
+
+def refuse_credentials(url: str) -> None:
+    """Raises CredentialsInURLError where url (any part of a ``a::b://...`` chain) carries
+    userinfo (``s3://KEY:SECRET@bucket/x``): a URL is printed, logged and kept in the cache's
+    listings, and a backend's error would carry it, so it is refused before anything else
+    sees it. ``hf://`` is exempt: its ``@`` names a revision (``hf://datasets/org/ds@main``)."""
+    for part in url.split("::"):
+        scheme, sep, rest = part.partition("://")
+        if not sep or scheme.lower() == "hf":
+            continue
+        authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+        if "@" in authority:
+            raise CredentialsInURLError(
+                f"{public_url(part)}: the URL carries credentials (user:password@), which "
+                "fastload refuses there; pass them in storage_options or the environment "
+                "(for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+            )
 
 
 def check_protocols(url: str) -> None:

@@ -64,7 +64,7 @@ def error_message(exc: BaseException) -> tuple[Any, ...]:
     """An exception as the parent rebuilds it: fastload's own classes keep their class,
     errno, text, URL and remote fields; anything else arrives as a RuntimeError."""
     if isinstance(exc, errors.FastloadError) and isinstance(exc, OSError):
-        fields = {k: getattr(exc, k, None) for k in ("status", "code", "reason")}
+        fields = {k: getattr(exc, k, None) for k in ("status", "code", "reason", "what")}
         return ("error", type(exc).__name__, exc.errno, exc.strerror, exc.filename, fields)
     text = f"the staging process failed: {type(exc).__name__}: {scrub(str(exc))}"
     return ("error", "RuntimeError", None, text, None, {})

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from fastload.cache import Cache
-from fastload.errors import FastloadError, MissingBackendError, RemoteError
+from fastload.errors import FastloadError, MissingBackendError, RemoteChangedError, RemoteError
 from fastload.manifest import Manifest, RemoteObject
 from fastload.progress import Progress
 from fastload.remote import (
@@ -45,6 +45,7 @@ from fastload.remote import (
 from fastload.remote.connect import transport_for
 from fastload.remote.throttle import Throttle
 from fastload.remote.transport import Buffer, Transport
+from fastload.remote.versions import Pin, changed_error, pin_of
 from fastload.staging import process as staging_process
 from fastload.staging.config import FetchConfig, StageResult
 from fastload.staging.holding import Holding
@@ -198,18 +199,24 @@ class Stager:
                 time.sleep(backoff_s(attempts, c.backoff_s, c.backoff_max_s))
 
     def _fetch(self, obj: RemoteObject, url: str, transport: Transport) -> Buffer:
+        """The object's bytes, every GET pinned at its listed version: an object changed on
+        the remote since the listing raises RemoteChangedError before a byte of it reaches
+        the cache."""
         path = self.remote_path(obj)
         size = obj.size
+        pin = pin_of(obj.version, size)
         try:
             if size is not None and size > self.config.range_threshold_bytes:
                 step = self.config.range_bytes
                 parts = _range_pool().map(
-                    lambda start: transport.get(path, start, min(start + step, size)),
+                    lambda start: transport.get(path, start, min(start + step, size), pin),
                     range(0, size, step),
                 )
                 data: Buffer = b"".join(parts)
             else:
-                data = transport.get(path)
+                data = transport.get(path, None, None, pin)
+        except RemoteChangedError as exc:
+            raise _with_pin(exc, url, pin) from None
         except FastloadError:
             raise
         except ImportError as exc:  # no retry brings a package: fail now, saying which
@@ -219,7 +226,7 @@ class Stager:
                 '`pip install "fastload[s3]"` or `"fastload[http]"`'
             ) from None
         except Exception as exc:
-            raise classify(exc, url) from clean_cause(exc)
+            raise _with_pin(classify(exc, url), url, pin) from clean_cause(exc)
         if size is not None and len(data) != size:
             raise integrity_error(url, f"received {len(data)} bytes, expected {size}")
         expected_md5 = _md5_from_version(obj.version)
@@ -235,11 +242,12 @@ class Stager:
         throttle = throttle_for(transport, self.config)
         path = self.remote_path(obj)
         url = self.manifest.object_url(obj)
+        pin = pin_of(obj.version, obj.size)
 
         def get() -> Buffer:
             try:
                 with throttle:  # under the remote's AIMD limit, as staged fetches are
-                    data = transport.get(path, start, end)
+                    data = transport.get(path, start, end, pin)
             except Exception as exc:
                 if is_throttling(classify(exc, url)):
                     throttle.throttled()
@@ -248,7 +256,17 @@ class Stager:
             return data
 
         c = self.config
-        return bytes(with_retries(get, url, retries=c.retries, base_s=c.backoff_s))
+        try:
+            return bytes(with_retries(get, url, retries=c.retries, base_s=c.backoff_s))
+        except RemoteChangedError as exc:
+            raise _with_pin(exc, url, pin) from None
+
+
+def _with_pin(error: RemoteError, url: str, pin: Pin) -> RemoteError:
+    """A RemoteChangedError that says what the listing gave (ETag, version, size)."""
+    if isinstance(error, RemoteChangedError):
+        return changed_error(public_url(url), pin, error.what)
+    return error
 
 
 _range_pools: dict[int, ThreadPoolExecutor] = {}

@@ -227,7 +227,8 @@ class HubServer:
             self._faults.append(fault)
 
     def stats(self) -> dict[str, int]:
-        """Requests by kind, and ``throttled`` (429s sent), ``unauthorized`` (401s sent),
+        """Requests by kind (``upload``: a POST or PUT that would write to the repository,
+        which this server never does), and ``throttled`` (429s sent), ``unauthorized`` (401s sent),
         ``faults`` (the other injected faults: statuses and resets)."""
         with self._lock:
             return dict(self._counts)
@@ -323,6 +324,9 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             self.do_GET()
 
+        def do_PUT(self) -> None:
+            self.do_GET()
+
         def do_GET(self) -> None:
             parts = urllib.parse.urlsplit(self.path)
             query = urllib.parse.parse_qs(parts.query)
@@ -339,6 +343,8 @@ def _handler_for(hub: HubServer) -> type[http.server.BaseHTTPRequestHandler]:
                 )
             elif resolve is not None:
                 kind = "resolve"
+            if self.command in ("POST", "PUT") and kind != "paths_info":
+                kind = "upload"  # preupload, commit, LFS: a write to the repository
             refused = hub._admit(
                 kind, urllib.parse.unquote(parts.path), self.headers.get("Authorization")
             )

@@ -352,6 +352,11 @@ class _Handler(ControlledHandler):
                 "Last-Modified": last_modified,
                 "Content-Type": mimetypes.guess_type(target.name)[0] or "application/octet-stream",
             }
+            if_match = self.headers.get("If-Match")
+            if if_match is not None and if_match.strip() not in ("*", etag):
+                # The client wants the version it listed, and this is another one.
+                self._send_simple(HTTPStatus.PRECONDITION_FAILED, b"precondition failed\n")
+                return
             byte_range: tuple[int, int] | None = None
             range_header = self.headers.get("Range")
             if_range = self.headers.get("If-Range")
@@ -462,7 +467,8 @@ class RangeHTTPServer(LoopbackServer):
     """Serve ``root`` read-only on ``http://127.0.0.1:<free port>`` from daemon threads.
 
     Starts on construction; use it as a context manager or call ``close()``. Supports
-    GET/HEAD, single byte ranges (206/416), ETag/Last-Modified, keep-alive, and HTML
+    GET/HEAD, single byte ranges (206/416), ETag/Last-Modified (If-Match: 412 when the
+    file's ETag differs; If-Range), keep-alive, and HTML
     directory pages fsspec's ``HTTPFileSystem.ls``/``find`` can follow (subdirectory
     links end in ``/``). Knobs, faults and counters come from ``RemoteControls``.
     """

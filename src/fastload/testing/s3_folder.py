@@ -750,6 +750,16 @@ class _Handler(ControlledHandler):
             yield from framed
         self._body_pending = False
 
+    def _check_if_match(self, etag: str) -> None:
+        """S3's If-Match: 412 PreconditionFailed unless the object's ETag is the one named."""
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and wanted.strip() not in ("*", f'"{etag}"', etag):
+            raise _S3Error(
+                412,
+                "PreconditionFailed",
+                "At least one of the pre-conditions you specified did not hold",
+            )
+
     def _get_object(self, bucket: str, key: str, b: RemoteBehavior, truncate: bool) -> None:
         controls = self._controls
         path = controls._object_path(bucket, key)
@@ -763,7 +773,9 @@ class _Handler(ControlledHandler):
             if not stat.S_ISREG(st.st_mode):
                 raise _no_such_key()
             size = st.st_size
-            headers = _object_headers(controls._etag(path, st, f), st.st_mtime)
+            etag = controls._etag(path, st, f)
+            self._check_if_match(etag)
+            headers = _object_headers(etag, st.st_mtime)
             byte_range = self._byte_range(size)
             self._count_object_read(bucket, key, size, byte_range, truncate)
             self._send_open_file(
@@ -783,6 +795,7 @@ class _Handler(ControlledHandler):
         if index is None:
             raise _no_such_key()
         size = layout.size(index)
+        self._check_if_match(layout.etag(index))
         byte_range = self._byte_range(size)
         start, end = byte_range or (0, size)
         self._count_object_read(bucket, key, size, byte_range, truncate)

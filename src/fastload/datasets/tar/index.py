@@ -10,12 +10,9 @@ number read is checked against the shard it describes before it is used.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fastload import safe_files
 from fastload.datasets.base import (
     DatasetError,
 )
@@ -189,13 +187,5 @@ def index_path(store: CachedStore, key: str) -> Path:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """path whole or not at all, never written through a link (fastload.safe_files)."""
+    safe_files.write_atomically(path, data)

@@ -28,6 +28,7 @@ from fastload.remote import (
     remote_url,
     with_retries,
 )
+from fastload.remote.hub import is_hf
 from fastload.store import CachedStore, StoreConfig
 
 INDEX_JOBS = 8
@@ -66,10 +67,11 @@ def write_index(
     writes fastload's index of them, so that opening the dataset reads only the index.
 
     ``to="dataset"`` writes ``fastload.flidx`` next to the shards (a local folder, a bucket
-    with write access); ``"cache"`` writes a file per shard into ``<cache dir>/indexes/``,
-    which serves opens that use this cache directory; ``"auto"`` writes next to the shards
-    where it can (not over HTTP, nor into a read-only folder or bucket), else into the
-    cache. The listing in the cache is refreshed, so the next open sees the index.
+    with write access; never a Hugging Face repository, where it would be a commit);
+    ``"cache"`` writes a file per shard into ``<cache dir>/indexes/``, which serves opens
+    that use this cache directory; ``"auto"`` writes next to the shards of a local folder
+    (where it can), into the cache otherwise: fastload writes to a remote only when asked.
+    The listing in the cache is refreshed, so the next open sees the index.
     ``progress=None`` shows a bar when stderr is a terminal.
     """
     if to not in ("auto", "dataset", "cache"):
@@ -84,7 +86,12 @@ def write_index(
     try:
         keys = list_shards(store)
         fs, root = open_filesystem(url, config.storage_options)
-        why = "asked for" if to == "cache" else _why_not_beside(fs, keys)
+        if to == "dataset" and is_hf(fs):  # refused before a shard is read
+            raise DatasetError(
+                f"cannot write an index next to the shards of {store.url}: fastload never "
+                "commits to a Hugging Face repository; index into the cache (--to cache)"
+            )
+        why = "asked for" if to == "cache" else _why_not_beside(fs, keys, to)
         if to == "dataset" and why:
             raise DatasetError(f"cannot write an index next to the shards of {store.url}: {why}")
         objects = [store.object(k) for k in keys]
@@ -180,22 +187,30 @@ class _NotWritable(Exception):
     """The dataset's folder does not take an index file; the message says why."""
 
 
-def _why_not_beside(fs: Any, keys: list[str]) -> str:
+def _why_not_beside(fs: Any, keys: list[str], to: Where) -> str:
     """Why an index cannot go next to the shards, or "" if it may."""
     if keys == [""]:
         return "the URL names one shard, not a folder"
     if is_http(fs):
         return "HTTP servers take no uploads"
+    if is_hf(fs):
+        return "fastload never commits to a Hugging Face repository"
+    if to == "auto" and not _is_local(fs):
+        return "fastload writes to a remote only when asked: --to dataset"
     return ""
+
+
+def _is_local(fs: Any) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return any(p in ("file", "local") for p in protocols)
 
 
 def _write_beside(fs: Any, root: str, data: bytes) -> str:
     """Writes fastload.flidx next to the shards; its URL. Raises _NotWritable if refused."""
     path = path_of(fs, root, INDEX_NAME)
     shown = remote_url(fs, path)
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     try:
-        if any(p in ("file", "local") for p in protocols):
+        if _is_local(fs):
             write_atomically(Path(path), data)
         else:
             fs.pipe_file(path, data)  # one PUT: an object appears whole or not at all
