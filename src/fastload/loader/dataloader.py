@@ -240,13 +240,15 @@ class DataLoader(tud.DataLoader[Any]):
         self._closed = False
         self.step = 0  # batches delivered to the training loop so far, across epochs
         # The last state_steps deliveries: (step, the pass, its batches and samples then).
-        self._recent: collections.deque[tuple[int, _Iteration, int, int]] = collections.deque(
-            maxlen=state_steps
+        # The pass by weak reference: dropping the loader must stop its threads, and a
+        # reference back to the loader from here would leave that to the cycle collector.
+        self._recent: collections.deque[tuple[int, weakref.ref[_Iteration], int, int]] = (
+            collections.deque(maxlen=state_steps)
         )
         self._manifest_snapshot: dict[str, str] | None = None
         self._preemption: PreemptionHandler | None = None
         if on_preempt is not None:
-            self._preemption = PreemptionHandler(on_preempt, self.state_dict)
+            self._preemption = PreemptionHandler(on_preempt, _state_of(weakref.ref(self)))
             if isinstance(self.dataset, ShardedDataset):
                 # Beside the state, once: the state's handler has only its JSON to write.
                 self.save_manifest(self._preemption.path.parent)
@@ -537,9 +539,9 @@ class DataLoader(tud.DataLoader[Any]):
         """(the pass, its batches, its samples) right after step was delivered."""
         live = None if self._live is None else self._live()
         for at, iteration, batches, samples in self._recent:
-            if at == step and iteration is live:
-                return iteration, batches, samples
-        kept = [at for at, iteration, _, _ in self._recent if iteration is live]
+            if at == step and live is not None and iteration() is live:
+                return live, batches, samples
+        kept = [at for at, iteration, _, _ in self._recent if iteration() is live]
         where = f"steps {kept[0]}..{kept[-1]}" if kept else "no step of this pass yet"
         raise ValueError(
             f"the loader keeps the state of its last {self._recent.maxlen} steps of the "
@@ -549,7 +551,9 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _delivered(self, iteration: _Iteration) -> None:
         self.step += 1
-        self._recent.append((self.step, iteration, iteration.batches, iteration.samples))
+        self._recent.append(
+            (self.step, weakref.ref(iteration), iteration.batches, iteration.samples)
+        )
 
     def _dataset_state(self) -> dict[str, Any]:
         """What a restart needs to find the dataset again without listing it: its URL (no
@@ -771,6 +775,16 @@ class _Iteration:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _state_of(loader: weakref.ref[DataLoader]) -> Callable[[], dict[str, Any] | None]:
+    """The loader's state while it lives (the signal handler must not keep it alive)."""
+
+    def state() -> dict[str, Any] | None:
+        alive = loader()
+        return None if alive is None else alive.state_dict()
+
+    return state
 
 
 def batch_length(batch: Any, batched: bool) -> int:

@@ -43,7 +43,9 @@ def write_atomically(path: Path, data: bytes) -> None:
 class PreemptionHandler:
     """SIGTERM → ``state()`` written to ``path`` as JSON, then the previous handler."""
 
-    def __init__(self, path: str | os.PathLike[str], state: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], state: Callable[[], dict[str, Any] | None]
+    ) -> None:
         self.path = Path(path)
         self._state = state
         self._previous: Handler = None
@@ -68,7 +70,9 @@ class PreemptionHandler:
             self._installed = False
 
     def write(self) -> None:
-        write_atomically(self.path, json.dumps(self._state()).encode())
+        state = self._state()
+        if state is not None:  # None: the loader is gone, and so is what it would say
+            write_atomically(self.path, json.dumps(state).encode())
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.write()
