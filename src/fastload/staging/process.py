@@ -217,7 +217,9 @@ def for_stager(
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Closes this process's staging processes (at exit; a test at its end). A later round
+    starts a new one."""
     with _processes_lock:
         mine = [p for (pid, *_), p in _processes.items() if pid == os.getpid()]
     for process in mine:  # a process mid-round would finish it first: exit promptly
