@@ -189,3 +189,21 @@ def test_unusual_subsamplings_decode_at_the_same_scale_on_both_paths(name: str) 
     for a, b in ((results[0], results[2]), (results[1], results[3])):
         levels = (a - b).abs() * std
         assert levels.max() <= 1.01, levels.max()
+
+
+def test_the_native_transform_itself_refuses_cuts_and_bombs() -> None:
+    """Called directly (not through CPUDecoder, which refuses them first), the C++ transform
+    checks the same: a cut between scans and a header claiming too much."""
+    if not native_jpeg_available():
+        pytest.skip(native_jpeg_status())
+    from fastload.decode.native_jpeg import jpeg_transform
+
+    samples = [data for _, data in cut_files()[:2]] + [claiming(65_500, 65_500)]
+    samples += [claiming(16_000, 16_000), jpeg(96, 128, progressive=True)]
+    boxes = np.array([[8, 0, 8, 0, 8, 0]] * len(samples), dtype=np.int32)
+    out = np.zeros((len(samples), 8, 8, 3), dtype=np.float32)
+    failed = dict(jpeg_transform(1).run(samples, boxes, out, 8, 8, True, [0.0] * 3, [1.0] * 3))
+    assert sorted(failed) == [0, 1, 2, 3]
+    assert all(failed[i].startswith("truncated JPEG") for i in (0, 1))
+    assert "claims 65500x65500" in failed[2]
+    assert "claims 16000x16000" in failed[3]
