@@ -1,6 +1,7 @@
 #include "jpeg_transform.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <csetjmp>
 #include <cstdio>
@@ -23,6 +24,13 @@ constexpr int kPrecision = 14;
 // Pixels are decoded as RGBX: four bytes each, so the resize's per-pixel arithmetic runs as
 // one 4-lane vector operation instead of three scalar ones.
 constexpr int kPixel = 4;
+// What a header may claim before anything is allocated (as fastload.decode.limits checks it
+// in Python): the full size, which a progressive JPEG's coefficients take whatever the DCT
+// scale; and, past 2^24 pixels, no more than 4096 pixels per byte of the file (a complete
+// Huffman-coded JPEG spends at least a bit per 8x8 block of its first component).
+constexpr std::uint64_t kMaxPixels = 178'956'970;
+constexpr std::uint64_t kAlwaysAllowedPixels = std::uint64_t{1} << 24;
+constexpr std::uint64_t kMaxPixelsPerByte = 4096;
 
 // libjpeg reports errors through a callback that must not return: it jumps back to the
 // setjmp of the call in progress, with the message.
@@ -68,6 +76,15 @@ bool decode_box(const CropJob& job, Scratch& scratch, int& column, std::size_t& 
   jpeg_create_decompress(&cinfo);
   jpeg_mem_src(&cinfo, job.data, static_cast<unsigned long>(job.size));
   jpeg_read_header(&cinfo, TRUE);
+  const std::uint64_t pixels = std::uint64_t{cinfo.image_width} * cinfo.image_height;
+  if (pixels > kMaxPixels ||
+      (pixels > kAlwaysAllowedPixels && pixels > kMaxPixelsPerByte * job.size)) {
+    std::snprintf(err.message, sizeof err.message,
+                  "its header claims %ux%u pixels from %zu bytes: over the limit, not decoded",
+                  cinfo.image_width, cinfo.image_height, job.size);
+    jpeg_destroy_decompress(&cinfo);
+    return false;
+  }
   if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
     std::snprintf(err.message, sizeof err.message, "CMYK/YCCK colour space");
     jpeg_destroy_decompress(&cinfo);
@@ -114,6 +131,86 @@ bool decode_box(const CropJob& job, Scratch& scratch, int& column, std::size_t& 
   jpeg_finish_decompress(&cinfo);  // reads to the end marker: trailing corruption warns too
   jpeg_destroy_decompress(&cinfo);
   return true;
+}
+
+// Whether a JPEG lacking its end marker still holds every scan a complete image needs (as
+// fastload.decode.jpeg_scans walks it in Python): libjpeg decodes one cut exactly between
+// two scans without a warning. "" when complete, else what is missing.
+std::string missing_scans(const std::uint8_t* d, std::size_t n) {
+  if (n >= 2 && d[n - 2] == 0xFF && d[n - 1] == 0xD9) return std::string();
+  std::vector<int> ids;
+  std::vector<std::array<int, 64>> known;  // per component: the bit each coefficient is down to
+  std::vector<bool> seen;
+  bool progressive = false;
+  std::size_t pos = 2;
+  while (pos + 1 < n) {
+    if (d[pos] != 0xFF) return "unexpected data where a marker belongs";
+    const int marker = d[pos + 1];
+    if (marker == 0xFF) {
+      ++pos;
+      continue;
+    }
+    if (marker == 0xD9) return std::string();
+    if ((marker >= 0xD0 && marker <= 0xD8) || marker == 0x01) {
+      pos += 2;
+      continue;
+    }
+    if (pos + 4 > n) break;
+    const std::size_t length = (std::size_t{d[pos + 2]} << 8) | d[pos + 3];
+    const std::size_t end = pos + 2 + length;
+    if (length < 2 || end > n) break;  // the file stops inside a header
+    const std::uint8_t* seg = d + pos + 4;
+    const std::size_t seg_len = length - 2;
+    const bool sof =
+        marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC;
+    if (sof && seg_len >= 6) {
+      progressive = marker == 0xC2 || marker == 0xC6 || marker == 0xCA || marker == 0xCE;
+      ids.clear();
+      for (std::size_t k = 0; k < seg[5] && 6 + 3 * k < seg_len; ++k) ids.push_back(seg[6 + 3 * k]);
+      std::array<int, 64> never;
+      never.fill(64);
+      known.assign(ids.size(), never);
+      seen.assign(ids.size(), false);
+    } else if (marker == 0xDA && seg_len >= 1) {
+      const std::size_t count = seg[0], tail = 1 + 2 * count;
+      if (tail + 3 > seg_len) return "a scan header is cut short";
+      const int ss = seg[tail], se = std::min<int>(seg[tail + 1], 63), al = seg[tail + 2] & 0x0F;
+      for (std::size_t k = 0; k < count; ++k) {
+        const auto at = std::find(ids.begin(), ids.end(), seg[1 + 2 * k]);
+        if (at == ids.end()) continue;
+        const auto c = static_cast<std::size_t>(at - ids.begin());
+        seen[c] = true;
+        for (int j = ss; j <= se; ++j) known[c][j] = std::min(known[c][j], al);
+      }
+      // The entropy-coded data: 0xFF is followed by 0x00 stuffing or RSTn inside it.
+      pos = end;
+      while (pos + 1 < n) {
+        if (d[pos] == 0xFF) {
+          const int next = d[pos + 1];
+          if (next == 0xFF) {
+            ++pos;
+            continue;
+          }
+          if (next != 0x00 && !(next >= 0xD0 && next <= 0xD7)) break;
+          pos += 2;
+          continue;
+        }
+        ++pos;
+      }
+      continue;
+    }
+    pos = end;
+  }
+  if (ids.empty()) return "the file stops before its frame header";
+  for (std::size_t c = 0; c < ids.size(); ++c) {
+    if (progressive) {
+      for (int bit : known[c])
+        if (bit != 0) return "the file stops before the scans that complete the image";
+    } else if (!seen[c]) {
+      return "the file stops before the scans of some components";
+    }
+  }
+  return std::string();
 }
 
 // Filter taps of one axis: output pixel i reads counts[i] source pixels from starts[i].
@@ -304,6 +401,8 @@ std::string transform_jpeg(const CropJob& job, const OutputSpec& spec, float* ou
                            Scratch& scratch) {
   if (job.reduce != 1 && job.reduce != 2 && job.reduce != 4 && job.reduce != 8)
     return "reduce must be 1, 2, 4 or 8, got " + std::to_string(job.reduce);
+  const std::string missing = missing_scans(job.data, job.size);
+  if (!missing.empty()) return "truncated JPEG: " + missing;
   int column = 0;
   std::size_t stride = 0;
   ErrorManager err;

@@ -46,7 +46,9 @@ struct Scratch {
 // else what libjpeg or the box check said; then out is untouched or partly written and the
 // caller decodes the sample another way (or names it in an error). Every libjpeg warning is
 // a failure (corrupt data would come back with gray or garbage rows), except a missing final
-// end-of-image marker when all pixel data is present.
+// end-of-image marker when all pixel data is present; so is a file cut between two scans
+// (progressive, multi-scan) and a header claiming more pixels than the limit or than the
+// file's bytes could hold.
 std::string transform_jpeg(const CropJob& job, const OutputSpec& spec, float* out,
                            Scratch& scratch);
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from proc_tree import parents
 
 from fastload.reader import BatchReader, native_available
 from fastload.testing import RangeHTTPServer, RemoteControls, S3Server
@@ -133,3 +135,68 @@ def private_s3fs(
     )
     fs.retries = retries  # s3fs's retry loop (SlowDown, payload errors)
     return fs
+
+
+# --- no test leaves a process behind -------------------------------------------------------
+
+# Per-interpreter helpers of multiprocessing that live, by design, until this interpreter
+# exits: started by the first test that needs them, reused by every later one.
+_INTERPRETER_HELPERS = (
+    b"from multiprocessing.forkserver import main",
+    b"from multiprocessing.resource_tracker import main",
+)
+_CHILD_EXIT_GRACE_S = 15.0  # a child told to stop may take a moment (a busy machine)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "leaves_processes(reason): the test's children outlive it on purpose (say why)",
+    )
+
+
+def _children() -> dict[int, bytes]:
+    """This process's running children: pid -> command line."""
+    me = os.getpid()
+    found: dict[int, bytes] = {}
+    for pid, parent in parents().items():
+        if parent != me:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X"):  # zombies are done
+            found[pid] = cmdline
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test that leaves a child process of this one running (and ends those
+    children, so the next test starts clean). Children that a wider-scoped fixture started
+    (a module's S3 server) exist before the test and are not its own."""
+    if request.node.get_closest_marker("leaves_processes") is not None:
+        yield
+        return
+    before = set(_children())
+    yield
+    deadline = time.monotonic() + _CHILD_EXIT_GRACE_S
+    while True:
+        left = {
+            pid: cmd
+            for pid, cmd in _children().items()
+            if pid not in before and not any(h in cmd for h in _INTERPRETER_HELPERS)
+        }
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, "the test left child processes running (now killed): " + "; ".join(
+        f"{pid}: {cmd.decode(errors='replace')[:160]}" for pid, cmd in sorted(left.items())
+    )

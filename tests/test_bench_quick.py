@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,17 @@ def _fastload() -> list[str]:
     if found is None:
         pytest.fail("the fastload console script is not installed beside this Python")
     return [found]
+
+
+def why_it_failed(run: dict[str, Any]) -> str:
+    """A failed run's note and the end of its log: the reason, not only that it failed."""
+    text = f"{run['system']} on {run['layout']} failed: {run.get('note') or 'no note'}"
+    logged = re.search(r"\(log: (.+)\)$", run.get("note") or "")
+    if logged is not None:
+        log = Path(logged.group(1)) / "log.txt"
+        lines = log.read_text(errors="replace").splitlines()[-25:] if log.exists() else []
+        text += "\n  " + "\n  ".join(lines or [f"(no log at {log})"])
+    return text
 
 
 def test_bench_quick_exits_0_and_writes_its_json_and_chart(tmp_path: Path) -> None:
@@ -48,7 +61,8 @@ def test_bench_quick_exits_0_and_writes_its_json_and_chart(tmp_path: Path) -> No
     runs = report["params"]["runs"]
     ran = {(r["system"], r["layout"]) for r in runs if r["status"] == "ok"}
     assert {("fastload", "folder"), ("fastload", "tar")} <= ran, runs
-    assert not [r for r in runs if r["status"] == "failed"], runs
+    failed = [r for r in runs if r["status"] == "failed"]
+    assert not failed, "\n\n".join(why_it_failed(r) for r in failed)
     for run in runs:
         if run["status"] == "ok":
             assert run["figures"]["warm_samples_per_s"] > 0, run

@@ -8,7 +8,6 @@ Pillow's decode and plain torch ops, never through the backend's own helpers.
 from __future__ import annotations
 
 import io
-import itertools
 import multiprocessing
 import struct
 import threading
@@ -500,7 +499,7 @@ def test_a_header_claiming_too_many_pixels_is_refused(photos: list[bytes]) -> No
     raw = bytearray(encode(natural(9, 16, 16)))
     sof = raw.index(b"\xff\xc0")
     raw[sof + 5 : sof + 9] = struct.pack(">HH", 60000, 60000)
-    with decoder() as dec, pytest.raises(DecodeError, match="over the limit"):
+    with decoder() as dec, pytest.raises(DecodeError, match="over max_pixels"):
         decode(dec, [bytes(raw)])
 
 
@@ -658,8 +657,9 @@ def test_native_and_python_paths_agree_on_a_mixed_batch(photos: list[bytes]) -> 
 def test_the_native_transform_releases_the_gil_while_a_batch_decodes(
     large_photos: list[bytes],
 ) -> None:
-    """A Python thread keeps running while a batch decodes: the longest pause it sees is a
-    small part of the decode, not all of it (as it would be if the GIL were held)."""
+    """A Python thread keeps running while a batch decodes: it makes progress inside the
+    decode's span (with the GIL held it could not run there at all). Counted, not timed: a
+    busy machine slows both threads, it does not stop the Python one."""
     if not native_jpeg_available():
         pytest.skip(native_jpeg_status())
     spans: list[tuple[float, float]] = []
@@ -679,6 +679,5 @@ def test_the_native_transform_releases_the_gil_while_a_batch_decodes(
             ticks.append(time.perf_counter())
         worker.join()
     start, end = spans[0]
-    inside = [start, *(t for t in ticks if start < t < end), end]
-    longest = max(b - a for a, b in itertools.pairwise(inside))
-    assert longest < (end - start) / 3, (longest, end - start)
+    inside = sum(start < t < end for t in ticks)
+    assert inside >= 100, f"the Python thread ran {inside} times during the decode"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,17 @@ from fastload.errors import RemoteError, RemoteNotFoundError
 from fastload.loader.pipeline import Pipeline
 from fastload.loader.stats import LoaderStats
 from fastload.staging import FetchConfig, Holding
+from fastload.staging.process import close_all
 
 QUICK = FetchConfig(jobs=8, retries=4, backoff_s=0.01, backoff_max_s=0.02, timeout_s=10)
+
+
+@pytest.fixture(autouse=True)
+def _staging_processes_closed() -> Iterator[None]:
+    """A staging process lives as long as the process that started it (every store of its
+    settings reuses it); a test's are closed at its end, as they are at exit."""
+    yield
+    close_all()
 
 
 def open_files(remote: Remote, cache: Path, **options: Any) -> ShardedDataset:

@@ -23,11 +23,20 @@ from fastload.errors import CacheError, RemoteNotFoundError
 from fastload.manifest import RemoteObject
 from fastload.staging import FetchConfig
 from fastload.staging import process as stage_process
+from fastload.staging.process import close_all
 from fastload.store import CachedStore
 
 QUICK = FetchConfig(
     jobs=8, retries=2, backoff_s=0.01, backoff_max_s=0.05, timeout_s=10, staging_process=True
 )
+
+
+@pytest.fixture(autouse=True)
+def _staging_processes_closed() -> Iterator[None]:
+    """A staging process lives as long as the process that started it (every store of its
+    settings reuses it); a test's are closed at its end, as they are at exit."""
+    yield
+    close_all()
 
 
 @pytest.fixture(params=["s3", "http"])
@@ -240,5 +249,5 @@ def test_processes_are_closed_at_exit_of_the_parent(tmp_path: Path) -> None:
         store.stage(store.object_keys()[:1])
         children = staging_children()
         assert children
-        stage_process._close_all()
+        stage_process.close_all()
         assert not [pid for pid in children if _alive(pid)]

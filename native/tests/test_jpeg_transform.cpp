@@ -22,7 +22,7 @@ using fastload_test::failures;
 
 // Encodes width x height pixels of `components` channels (1: gray, 3: RGB, 4: CMYK).
 std::vector<std::uint8_t> encode(const std::vector<std::uint8_t>& pixels, int height, int width,
-                                 int components, int quality = 95) {
+                                 int components, int quality = 95, bool progressive = false) {
   jpeg_compress_struct cinfo;
   jpeg_error_mgr err;
   cinfo.err = jpeg_std_error(&err);
@@ -36,6 +36,7 @@ std::vector<std::uint8_t> encode(const std::vector<std::uint8_t>& pixels, int he
   cinfo.in_color_space = components == 1 ? JCS_GRAYSCALE : (components == 3 ? JCS_RGB : JCS_CMYK);
   jpeg_set_defaults(&cinfo);
   jpeg_set_quality(&cinfo, quality, TRUE);
+  if (progressive) jpeg_simple_progression(&cinfo);
   jpeg_start_compress(&cinfo, TRUE);
   while (cinfo.next_scanline < cinfo.image_height) {
     JSAMPROW row = const_cast<std::uint8_t*>(pixels.data()) +
@@ -196,6 +197,44 @@ void test_broken_input_fails_with_a_reason() {
   CHECK(!run(jpeg, whole(64, 64, 3), plain(8, 8), out).empty());
 }
 
+// Offsets of the start-of-scan markers (0xFF 0xDA appears nowhere else: 0xFF is stuffed).
+std::vector<std::size_t> scan_starts(const std::vector<std::uint8_t>& jpeg) {
+  std::vector<std::size_t> at;
+  for (std::size_t i = 0; i + 1 < jpeg.size(); ++i)
+    if (jpeg[i] == 0xFF && jpeg[i + 1] == 0xDA) at.push_back(i);
+  return at;
+}
+
+void test_a_progressive_jpeg_cut_between_scans_fails() {
+  const auto jpeg = encode(gradient(64, 64), 64, 64, 3, 90, true);
+  const auto starts = scan_starts(jpeg);
+  CHECK(starts.size() > 2);
+  std::vector<float> out, good;
+  CHECK(run(jpeg, whole(64, 64), plain(32, 32), good).empty());
+  const std::vector<std::uint8_t> no_eoi(jpeg.begin(), jpeg.end() - 2);
+  CHECK(run(no_eoi, whole(64, 64), plain(32, 32), out).empty());
+  CHECK(out == good);
+  for (std::size_t k = 1; k < starts.size(); ++k) {
+    const std::vector<std::uint8_t> cut(jpeg.begin(), jpeg.begin() + starts[k]);
+    CHECK(run(cut, whole(64, 64), plain(32, 32), out).find("truncated JPEG") == 0);
+  }
+}
+
+void test_a_header_claiming_too_much_fails_before_decoding() {
+  auto jpeg = encode(gradient(16, 16), 16, 16, 3, 90, true);
+  std::size_t sof = 0;
+  while (!(jpeg[sof] == 0xFF && jpeg[sof + 1] == 0xC2)) ++sof;
+  jpeg[sof + 5] = jpeg[sof + 7] = 0xFF;  // 65,500 x 65,500 (0xFFDC)
+  jpeg[sof + 6] = jpeg[sof + 8] = 0xDC;
+  std::vector<float> out;
+  CHECK(run(jpeg, whole(8, 8, 8), plain(8, 8), out).find("claims 65500x65500") !=
+        std::string::npos);
+  jpeg[sof + 5] = jpeg[sof + 7] = 0x3E;  // 16,000 x 16,000 (0x3E80): under the limit, but
+  jpeg[sof + 6] = jpeg[sof + 8] = 0x80;  // from a few hundred bytes
+  CHECK(run(jpeg, whole(8, 8, 8), plain(8, 8), out).find("claims 16000x16000") !=
+        std::string::npos);
+}
+
 void test_gray_and_cmyk() {
   std::vector<std::uint8_t> gray(32 * 32);
   for (std::size_t i = 0; i < gray.size(); ++i) gray[i] = static_cast<std::uint8_t>(i % 200);
@@ -221,6 +260,8 @@ int main() {
   test_resize_weights();
   test_broken_input_fails_with_a_reason();
   test_gray_and_cmyk();
+  test_a_progressive_jpeg_cut_between_scans_fails();
+  test_a_header_claiming_too_much_fails_before_decoding();
   if (failures == 0) std::puts("jpeg transform tests passed");
   return failures == 0 ? 0 : 1;
 }

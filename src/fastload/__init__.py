@@ -26,7 +26,12 @@ from fastload.reader import (
     native_available,
     native_status,
 )
+from fastload.staging.lifetime import exit_with_parent as _exit_with_parent
 from fastload.warm import NodeShare, WarmReport, warm
+
+# A process a fastload process started (a staging process, a benchmark's child) ends with
+# its parent, however the parent ends (fastload.staging.lifetime); nothing otherwise.
+_exit_with_parent()
 
 if TYPE_CHECKING:
     from fastload.diagnosis.diagnose import doctor

@@ -13,7 +13,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,6 +63,16 @@ def parse_size(text: str) -> int:
 
 def _print(payload: dict[str, Any] | list[Any], as_json: bool, text: str) -> None:
     print(json.dumps(payload, indent=2) if as_json else text)
+
+
+def _url(text: str) -> str:
+    """A dataset's URL or path; an empty one (``fastload warm ''``, an unset shell variable)
+    would mean the current folder, which nobody asks for that way."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "the URL is empty: give a path or a URL such as s3://bucket/prefix"
+        )
+    return text
 
 
 def parse_int_range(text: str) -> tuple[int, ...]:
@@ -491,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     warm = sub.add_parser("warm", help="stage a dataset (or one node's share of it) into the cache")
-    warm.add_argument("url", nargs="?", help="the dataset (or --from-state)")
+    warm.add_argument("url", nargs="?", type=_url, help="the dataset (or --from-state)")
     warm.add_argument(
         "--from-state",
         metavar="STATE",
@@ -529,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--to dataset (never into a Hugging Face repository)."
         ),
     )
-    index.add_argument("url")
+    index.add_argument("url", type=_url)
     index.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
     index.add_argument(
         "--to",
@@ -559,7 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
             "e2e.json and e2e.png to --out."
         ),
     )
-    bench.add_argument("url", nargs="?", help="your dataset, read-only (default: a generated one)")
+    bench.add_argument(
+        "url", nargs="?", type=_url, help="your dataset, read-only (default: a generated one)"
+    )
     bench.add_argument("--quick", action="store_true", help="600 images, folder + tar: ~2.5 min")
     bench.add_argument("--out", default="fastload-bench", help="results and generated data")
     bench.add_argument("--latency-ms", type=float, help="per request (default 20)")
@@ -615,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Writes doctor.json and doctor.png to --out."
         ),
     )
-    doctor.add_argument("url", nargs="?", help="your dataset (default: a generated one)")
+    doctor.add_argument("url", nargs="?", type=_url, help="your dataset (default: a generated one)")
     doctor.add_argument("--out", default="fastload-doctor", help="doctor.json, doctor.png, data")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--no-chart", action="store_true", help="do not draw doctor.png")
@@ -681,6 +695,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code: int = args.run(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
+    except BrokenPipeError:
+        return _reader_gone()
     except UsageError as exc:
         parser.error(str(exc))
     except (NotYetAvailableError, UnknownProtocolError, MissingBackendError) as exc:
@@ -696,6 +713,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fastload: interrupted", file=sys.stderr)
         return 130
     return code
+
+
+def _reader_gone() -> int:
+    """The reader of our output left (``fastload cache ls | head -1``): stop quietly, as a
+    Unix tool killed by SIGPIPE does, with its exit status (128 + 13)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)  # what is still buffered goes nowhere
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + int(signal.SIGPIPE)
 
 
 def _one_line(exc: BaseException) -> str:

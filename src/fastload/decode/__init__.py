@@ -91,6 +91,7 @@ def make_decoder(
     layout: str = "NCHW",
     on_error: str = "raise",
     num_threads: int | None = None,
+    max_pixels: int | None = None,
     **backend_options: Any,
 ) -> Decoder:
     """A decoder for the backend (``auto``: see the module docstring); the choice is logged
@@ -104,6 +105,8 @@ def make_decoder(
     }
     if num_threads is not None:
         settings["num_threads"] = num_threads
+    if max_pixels is not None:
+        settings["max_pixels"] = max_pixels
     config = DecodeConfig(**settings)
     chosen, why = choose_backend(backend, device)
     if why not in _announced:

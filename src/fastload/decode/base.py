@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
+from fastload.decode.limits import DEFAULT_MAX_PIXELS
 from fastload.decode.params import EvalPreset, TrainPreset
 from fastload.errors import DecodeError as DecodeError  # defined below the formats
 from fastload.errors import FastloadError
@@ -25,7 +26,9 @@ class BackendUnavailableError(FastloadError, ImportError):
 @dataclass(frozen=True, kw_only=True)
 class DecodeConfig:
     """How to decode a batch. ``transform``: a preset, a torch callable applied to each uint8
-    CHW image, or None (uint8 CHW images of their own sizes, as torchvision.io.decode_jpeg)."""
+    CHW image, or None (uint8 CHW images of their own sizes, as torchvision.io.decode_jpeg).
+    ``max_pixels``: the largest image (height x width, as its header claims) decoded; larger
+    ones are bad samples (see ``fastload.decode.limits``)."""
 
     transform: Any = None  # Transform; Any keeps the dataclass free of a torch import
     seed: int = 0
@@ -33,6 +36,7 @@ class DecodeConfig:
     layout: Literal["NCHW", "NHWC"] = "NCHW"
     on_error: Literal["raise", "skip"] = "raise"
     num_threads: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    max_pixels: int = DEFAULT_MAX_PIXELS
 
     def __post_init__(self) -> None:
         if self.layout not in ("NCHW", "NHWC"):
@@ -41,6 +45,8 @@ class DecodeConfig:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_pixels < 1:
+            raise ValueError(f"max_pixels must be >= 1, got {self.max_pixels}")
         t = self.transform
         if not (t is None or isinstance(t, TrainPreset | EvalPreset) or callable(t)):
             raise TypeError(f"transform must be a preset, a callable or None, got {t!r}")

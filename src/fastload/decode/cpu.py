@@ -35,7 +35,13 @@ Choices, each measured on a 2-core VM (see ``fastload.bench.components.decode_be
   garbage after losing sync, and such an image silently poisons training. Its "corrupt
   data" warning is the same for harmless stray bytes before the end marker as for data that
   lost sync mid-image, so every such warning is an error. A JPEG lacking only its final
-  end-of-image marker (all its pixel data present) is accepted.
+  end-of-image marker (all its pixel data present) is accepted; one cut between two scans
+  (progressive, multi-scan) is not (``fastload.decode.jpeg_scans``, on both paths).
+* Every path checks the size a header claims before decoding (``DecodeConfig.max_pixels``
+  and the bytes a JPEG has, ``fastload.decode.limits``): a few bytes may claim 65,500².
+* JPEGs simplejpeg cannot read (4:1:0, 3x1 and other unusual subsamplings) go to Pillow,
+  DCT-scaled as simplejpeg and the native transform scale them (``draft``), so every path
+  decodes a sample at the same scale.
 """
 
 from __future__ import annotations
@@ -63,13 +69,14 @@ from fastload.decode.base import (
     DecodeError,
     sample_name,
 )
+from fastload.decode.jpeg_scans import missing_scans
+from fastload.decode.limits import DEFAULT_MAX_PIXELS, JPEG_MAX_PIXELS_PER_BYTE, oversize
 from fastload.decode.native_jpeg import jpeg_transform, native_jpeg_available, native_jpeg_status
 from fastload.decode.params import Augment, EvalPreset, TrainPreset, augment_for, augments
 
 __all__ = ["MAX_PIXELS", "CPUDecoder", "decode_rgb"]
 
-# Pillow's DecompressionBombError threshold: a header may claim 65535 x 65535 in a few bytes.
-MAX_PIXELS = 178_956_970
+MAX_PIXELS = DEFAULT_MAX_PIXELS  # the default of DecodeConfig.max_pixels
 _REDUCTIONS = (8, 4, 2)  # the DCT scalings libjpeg-turbo runs with SIMD, largest first
 _EOI = b"\xff\xd9"
 _KEEP_BUFFERS = 4  # batch buffers kept for reuse (a loader holds a few batches at once)
@@ -117,21 +124,37 @@ class _Encoded:
     whose colour conversion it does not support, go to Pillow.
     """
 
-    def __init__(self, data: bytes | memoryview) -> None:
+    def __init__(self, data: bytes | memoryview, max_pixels: int = MAX_PIXELS) -> None:
         self.data = _as_buffer(data)
         if len(self.data) == 0:
             raise _BadInput("the data is empty (0 bytes)")
         self._pil: Any = None
         self._jpeg_error = ""
         self.is_jpeg = bytes(self.data[:3]) == b"\xff\xd8\xff"
+        jpeg_bytes = self.is_jpeg  # a JPEG, whichever library decodes it
         if self.is_jpeg:
             try:
                 self.height, self.width, _, _ = _simplejpeg().decode_jpeg_header(self.data)
-                return
             except ValueError as e:  # perhaps a JPEG variant only Pillow reads
                 self._jpeg_error = f"corrupt JPEG header (simplejpeg: {e}"
                 self.is_jpeg = False
-        self._open_pillow()
+        if not self.is_jpeg:
+            self._open_pillow()
+        why = oversize(
+            self.height, self.width, len(self.data), max_pixels=max_pixels, jpeg=jpeg_bytes
+        )
+        if why is None and jpeg_bytes and (missing := missing_scans(self.data)) is not None:
+            why = (
+                f"truncated JPEG: {missing}; it would decode without the missing part, so "
+                "it is not used: re-fetch or remove the file"
+            )
+        if why is not None:
+            self._close_pillow()
+            raise _BadInput(why)
+
+    def _close_pillow(self) -> None:
+        if self._pil is not None:
+            self._pil.close()
 
     def _open_pillow(self) -> None:
         image = _pillow()
@@ -147,24 +170,26 @@ class _Encoded:
                 f"{bytes(self.data[:8])!r}: {why}); is it an image file (JPEG, PNG, ...)?"
             ) from None
 
+    def _pillow_jpeg(self) -> bool:
+        return self._pil is not None and self._pil.format == "JPEG"
+
     def reduction_for(self, box: Augment) -> int:
         """The DCT reduction for ``box`` (see :func:`_reduction`); 1 for other formats."""
-        return _reduction(box) if self.is_jpeg else 1
+        return _reduction(box) if self.is_jpeg or self._pillow_jpeg() else 1
 
     def decode(self, reduce: int = 1) -> RGBArray:
         """(H, W, 3) uint8 RGB, of ceil(height / reduce) x ceil(width / reduce) for JPEGs."""
         out_h, out_w = -(-self.height // reduce), -(-self.width // reduce)
-        if out_h * out_w > MAX_PIXELS:
-            raise _BadInput(
-                f"{self.width}x{self.height} pixels is over the limit of {MAX_PIXELS:,} "
-                "(Pillow's decompression-bomb limit); resize the image or remove it"
-            )
         if self.is_jpeg:
             try:
                 return self._decode_jpeg(out_h, out_w, reduce)
             except _UnsupportedJpeg as e:
                 self._jpeg_error = f"unsupported JPEG (simplejpeg: {e}"
                 self._open_pillow()
+        if reduce > 1 and self._pillow_jpeg():
+            # libjpeg's DCT scaling, as simplejpeg and the native transform use it: Pillow
+            # takes the largest scale leaving at least this size, ceil(size / reduce).
+            self._pil.draft("RGB", (self.width // reduce, self.height // reduce))
         return self._decode_pillow()
 
     def _decode_jpeg(self, out_h: int, out_w: int, reduce: int) -> RGBArray:
@@ -400,7 +425,14 @@ class CPUDecoder:
                 fits = (table.crop_h >= f * table.out_h) & (table.crop_w >= f * table.out_w)
                 reduce[fits] = f
         h, w = -(-height // reduce), -(-width // reduce)
-        jpeg &= h * w <= MAX_PIXELS  # larger ones: the Python path names them
+        # What the Python path refuses before decoding, it names: too large a claim for the
+        # limit or for the bytes (limits.oversize), or no end marker (jpeg_scans).
+        nbytes = np.fromiter((memoryview(x).nbytes for x in images), np.int64, len(images))
+        pixels = height * width
+        jpeg &= pixels <= self.config.max_pixels
+        jpeg &= (pixels <= 1 << 24) | (pixels <= JPEG_MAX_PIXELS_PER_BYTE * nbytes)
+        for i in np.flatnonzero(jpeg):
+            jpeg[i] = missing_scans(images[i]) is None  # at once when it ends with EOI
         # _scaled_box for every sample: libjpeg maps an 8x8 block onto (8 / reduce)^2 exactly.
         top = np.rint(table.top / reduce).astype(np.int64)
         left = np.rint(table.left / reduce).astype(np.int64)
@@ -455,7 +487,7 @@ class CPUDecoder:
                 job.errors[i] = str(e)
 
     def _one(self, job: _Job, i: int) -> None:
-        enc = _Encoded(job.encoded[i])
+        enc = _Encoded(job.encoded[i], self.config.max_pixels)
         preset = self._preset
         if preset is None:
             image = torch.from_numpy(enc.decode())

@@ -42,6 +42,8 @@ from fastload.decode.base import (
     DecodeError,
     sample_name,
 )
+from fastload.decode.jpeg_scans import missing_scans
+from fastload.decode.limits import DEFAULT_MAX_PIXELS, oversize
 from fastload.decode.params import EvalPreset, TrainPreset, augments
 
 __all__ = ["INSTALL_HINT", "DALIDecoder", "image_format", "image_size"]
@@ -157,13 +159,24 @@ def _jpeg_size(view: memoryview) -> tuple[int, int]:
         i += length
 
 
-def _check_header(data: bytes | memoryview, *, need_size: bool) -> tuple[int, int] | None:
+def _check_header(
+    data: bytes | memoryview, *, need_size: bool, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> tuple[int, int] | None:
     """The cheap up-front check: (height, width) when asked for or when it costs nothing
-    (JPEG, PNG); otherwise only the magic number is checked. Raises ValueError saying why."""
+    (JPEG, PNG), checked against ``max_pixels`` and, for a JPEG, its bytes and scans (as
+    the CPU backend checks them); otherwise only the magic number is checked. Raises
+    ValueError saying why."""
     fmt = image_format(data) if len(data) else None
-    if need_size or fmt in ("jpeg", "png") or fmt is None:
-        return image_size(data)
-    return None
+    if not (need_size or fmt in ("jpeg", "png") or fmt is None):
+        return None
+    size = image_size(data)
+    nbytes = memoryview(data).nbytes
+    why = oversize(*size, nbytes, max_pixels=max_pixels, jpeg=fmt == "jpeg")
+    if why is not None:
+        raise ValueError(why)
+    if fmt == "jpeg" and (missing := missing_scans(data)) is not None:
+        raise ValueError(f"truncated JPEG: {missing}")
+    return size
 
 
 def _import_dali() -> tuple[Any, Any, Any]:
@@ -479,7 +492,9 @@ class DALIDecoder:
         sizes: list[tuple[int, int]] = []
         for i, data in enumerate(encoded):
             try:
-                size = _check_header(data, need_size=self._preset is not None)
+                size = _check_header(
+                    data, need_size=self._preset is not None, max_pixels=self.config.max_pixels
+                )
             except ValueError as e:
                 fail(i, str(e))
                 continue

@@ -4,6 +4,7 @@ its fsspec implementation, which serves every filesystem and which the faster tr
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -14,6 +15,8 @@ from fastload.remote.listing import Listing
 from fastload.remote.versions import Pin, VersionMismatch, check_total, strong_etag
 
 Buffer = bytes | memoryview
+
+log = logging.getLogger(__name__)
 
 
 class Transport(Protocol):
@@ -60,7 +63,14 @@ class FsspecTransport:
                 raise TimeoutError(f"no complete answer within {self.timeout_s:g}s") from None
         else:
             data = fs.cat_file(path, start=start, end=end)
-        return data  # type: ignore[no-any-return]
+        return range_of_answer(data, start, end, path, lambda: self._size(path))
+
+    def _size(self, path: str) -> int | None:
+        try:
+            size = self.fs.size(path)
+        except (OSError, ValueError):
+            return None
+        return int(size) if size is not None else None
 
     def list_columns(
         self, root: str, progress: Callable[[int], None] | None = None
@@ -160,3 +170,46 @@ def _check_answer(pin: Pin, etag: str | None, total: int | None) -> None:
     why = check_total(pin, total)
     if why is not None:
         raise VersionMismatch(why)
+
+
+_ignoring_range: set[str] = set()  # hosts already named in the log
+
+
+def range_of_answer(
+    data: Buffer,
+    start: int | None,
+    end: int | None,
+    path: str,
+    size_of: Callable[[], int | None] = lambda: None,
+) -> Buffer:
+    """Bytes [start, end) of an answer to a ranged GET. A server that ignores ``Range``
+    (Python's http.server, many simple file servers) answers 200 with the whole object: the
+    range is cut out of it. An answer longer than the range asked for can only be that (a
+    206 is never longer); where the range's length depends on the object's size (no end, a
+    negative end), ``size_of()`` gives the size, and an answer of exactly that many bytes is
+    the whole object."""
+    if start is None and end is None:
+        return data
+    if start is not None and start < 0 and end is None:
+        wanted: int | None = -start  # the last -start bytes
+    elif start is not None and end is not None and start >= 0 and end >= 0:
+        wanted = max(end - start, 0)
+    else:
+        wanted = None
+    if wanted is not None:
+        if len(data) <= wanted:
+            return data
+    else:
+        size = size_of()
+        whole = slice(start, end).indices(size) if size is not None else (0, 0, 1)
+        if size is None or len(data) != size or whole[:2] == (0, size):
+            return data
+    host = path.split("://", 1)[-1].split("/", 1)[0]
+    if host not in _ignoring_range:
+        _ignoring_range.add(host)
+        log.warning(
+            "%s ignores Range requests (it sends whole objects): every byte range read from "
+            "it downloads its whole object; a server that honours Range is much faster",
+            host,
+        )
+    return memoryview(data)[start:end]

@@ -13,7 +13,8 @@ of the parent's state, obstore's runtime included, is inherited. It is told the 
 (pickled: the storage options travel over the pipe, never through a file or the command
 line) and the cache settings, opens its own cache handle and
 :class:`~fastload.staging.stager.Stager` and answers rounds until its stdin closes. It dies
-with its parent (``PR_SET_PDEATHSIG`` on Linux; elsewhere at the pipe's end). A failure
+with its parent (:mod:`fastload.staging.lifetime`; and at the pipe's end) and ignores the
+SIGINT and SIGTERM sent to the whole job: the parent ends it. A failure
 comes back as the error's class, errno, text and URL and is raised in the parent as the same
 class. Nothing is shared but the cache on disk, with its locks, as between any two processes
 that use it.
@@ -38,6 +39,7 @@ from fastload import errors
 from fastload.cache import CacheConfig
 from fastload.manifest import RemoteObject
 from fastload.remote import scrub
+from fastload.staging.lifetime import env_for_child
 
 _HEADER = struct.Struct("!Q")
 
@@ -97,7 +99,9 @@ class StagingProcess:
         # The child imports this very fastload, however the parent found it.
         package_parent = os.path.dirname(os.path.dirname(os.path.abspath(errors.__file__)))
         path = os.environ.get("PYTHONPATH")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, path]))}
+        env = env_for_child(
+            {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, path]))}
+        )
         process = subprocess.Popen(
             [sys.executable, "-m", "fastload.staging.process_main", str(os.getpid())],
             stdin=subprocess.PIPE,
@@ -213,7 +217,9 @@ def for_stager(
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """Closes this process's staging processes (at exit; a test at its end). A later round
+    starts a new one."""
     with _processes_lock:
         mine = [p for (pid, *_), p in _processes.items() if pid == os.getpid()]
     for process in mine:  # a process mid-round would finish it first: exit promptly

@@ -4,7 +4,6 @@ rounds until its stdin closes (see :mod:`fastload.staging.process`)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -14,6 +13,7 @@ from typing import IO, Any
 from fastload.cache import Cache
 from fastload.manifest import Manifest
 from fastload.staging.config import FetchConfig, StageResult
+from fastload.staging.lifetime import PARENT_ENV, exit_with_parent, lifetime_set
 from fastload.staging.process import error_message, receive, send
 from fastload.staging.stager import Stager
 
@@ -35,21 +35,17 @@ class _Reporter:
             send(self._stream, message)
 
 
-def _die_with_parent(parent: int) -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        os._exit(1)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    _die_with_parent(int(args[0]))
-    # Ctrl-C reaches the whole process group: the parent decides, and ends this process
-    # by closing the pipe.
+    # Importing fastload made this process end with its parent (staging.lifetime); a
+    # parent that did not say so in the environment is watched by the pid it passed.
+    if not lifetime_set():
+        os.environ.setdefault(PARENT_ENV, f"{int(args[0])}:watch")
+        exit_with_parent()
+    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the parent decides,
+    # and ends this process by closing the pipe (or by dying).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but messages on the pipe
     settings = receive(stdin)

@@ -107,6 +107,7 @@ from fastload.bench.runner import (
     relate,
     step_lost,
 )
+from fastload.staging.lifetime import env_for_child
 
 
 class _Child:
@@ -125,6 +126,7 @@ class _Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
+            env=env_for_child(),  # ends with this process, its loader workers after it
         )
         self._buffer = b""
 

@@ -62,6 +62,7 @@ from typing import IO, Any, Literal
 
 from fastload.bench.peers.e2e_s3_peers import s5cmd_binary
 from fastload.bench.runner import Measurement, Report, cpu_seconds, process_tree, relate
+from fastload.staging.lifetime import env_for_child
 from fastload.testing import HTTPServerProcess, RemoteBehavior, RequestStats
 from fastload.testing.s3_server import ACCESS_KEY, REGION, SECRET_KEY
 
@@ -226,6 +227,7 @@ class _Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env_for_child(),  # ends with this process
         )
         assert self.proc.stdin is not None
         assert self.proc.stdout is not None

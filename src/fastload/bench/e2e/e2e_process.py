@@ -23,6 +23,7 @@ from typing import Any
 from fastload.bench.e2e.e2e_child import MARK
 from fastload.bench.e2e.e2e_report import Run
 from fastload.bench.runner import process_tree, pss_bytes
+from fastload.staging.lifetime import env_for_child
 from fastload.testing.http_server import LoopbackServer
 
 
@@ -67,7 +68,7 @@ def child_env(work: Path) -> dict[str, str]:
         [str(python_path_dir(work)), *filter(None, [env.get("PYTHONPATH")])]
     )
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return env_for_child(env)  # a child ends with this process (staging.lifetime)
 
 
 def run_child(

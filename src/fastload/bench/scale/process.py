@@ -16,6 +16,7 @@ from typing import IO, Any
 
 from fastload.bench.runner import cpu_seconds
 from fastload.bench.scale.child import rollup
+from fastload.staging.lifetime import env_for_child
 
 # A child that neither reports nor exits within this long has hung: it is killed.
 _CHILD_TIMEOUT_S = 1800.0
@@ -53,7 +54,7 @@ class _Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=env,
+            env=env_for_child(env),  # ends with this process
         )
         assert self.proc.stdin is not None
         assert self.proc.stdout is not None
