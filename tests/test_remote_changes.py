@@ -21,6 +21,7 @@ import pytest
 import fastload as fl
 from fastload.errors import RemoteChangedError, RemoteError
 from fastload.staging import FetchConfig
+from fastload.staging import process as staging_process
 from fastload.testing import HubServerProcess, RangeHTTPServer, S3FolderServer, S3Server
 
 N = 10
@@ -196,7 +197,10 @@ def test_a_change_found_in_the_staging_process_reaches_the_loop_as_itself(
     with serve("s3-folder", tmp_path) as served:
         fetch = FetchConfig(staging_process=True, retries=2, backoff_s=0.01)
         ds = open_changed(served, tmp_path / "c", fetch)
-        with pytest.raises(RemoteChangedError, match="changed on the remote") as caught:
-            ds.warm()
+        try:
+            with pytest.raises(RemoteChangedError, match="changed on the remote") as caught:
+                ds.warm()
+        finally:
+            staging_process.close_all()  # it would live on for the next test's rounds
         assert caught.value.what  # how it showed (a 412 to If-Match) crossed the pipe
     assert_no_new_bytes_cached(tmp_path / "c")
