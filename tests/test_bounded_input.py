@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from fastload.datasets import open_dataset
 from fastload.testing import S3Server
 
 # Names every layout must take as they are: non-ASCII, a combining accent (NFD), "+", "%"
@@ -80,3 +81,41 @@ def test_imagefolder_with_non_ascii_class_folders_opens(kind: str, tmp_path: Pat
                 "s3://data/ds", tmp_path / "c", server.storage_options, format="imagefolder"
             )
     assert got == [len(expected), expected_classes, expected]
+
+
+# --- tar: field names as webdataset has them --------------------------------------------------
+
+
+def _write_tar(path: Path, members: dict[str, bytes]) -> None:
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def test_tar_fields_are_lower_cased_as_webdataset_does(tmp_path: Path) -> None:
+    """Was: ``IMG_1.JPG`` gave field ``JPG``; webdataset lowercases it to ``jpg``, and the
+    loader then said the sample had no image. webdataset's own reader is the oracle."""
+    import webdataset as wds
+
+    members = {}
+    for name in [*ODD_NAMES, "IMG_1", "x" * 120]:
+        members[f"{name}.JPG"] = f"image of {name}".encode()
+        members[f"{name}.Cls"] = b"7"
+        members[f"{name}.Seg.PNG"] = b"seg"
+    _write_tar(tmp_path / "ds" / "shard-0.tar", members)
+    ds = open_dataset(str(tmp_path / "ds"), format="tar", cache_dir=str(tmp_path / "c"))
+    ours = [{k: v for k, v in ds[i].items() if k != "__shard__"} for i in range(len(ds))]
+    with (tmp_path / "ds" / "shard-0.tar").open("rb") as f:  # webdataset's grouping
+        stream = wds.tariterators.tar_file_expander([{"stream": f, "url": "shard-0.tar"}])
+        theirs = [
+            {k: v for k, v in s.items() if not k.startswith("__") or k == "__key__"}
+            for s in wds.tariterators.group_by_keys(stream)
+        ]
+    assert ours == theirs
+    assert ds.image_and_label(ds[0], 0)[1] == 7

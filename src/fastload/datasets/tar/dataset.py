@@ -167,7 +167,7 @@ class TarDataset(ShardedDataset):
         own = bytes if copy else memoryview
         for name, view, offset, size in zip(names, views, offsets, sizes, strict=True):
             member = f"{sample_key}.{name}"
-            if not is_header_of(view[:BLOCK], member, size):
+            if not is_header_of(view[:BLOCK], member, size, field_at=len(sample_key) + 1):
                 raise self._not_a_member(s, member, offset, size)
             sample[name] = own(view[BLOCK:])
         return sample
