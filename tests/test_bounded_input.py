@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fastload.datasets import open_dataset
+from fastload.datasets import DatasetError, open_dataset
 from fastload.testing import S3Server
 
 # Names every layout must take as they are: non-ASCII, a combining accent (NFD), "+", "%"
@@ -119,3 +119,110 @@ def test_tar_fields_are_lower_cased_as_webdataset_does(tmp_path: Path) -> None:
         ]
     assert ours == theirs
     assert ds.image_and_label(ds[0], 0)[1] == 7
+
+
+# --- fastload.flidx and wids' shardindex.json: counts checked against the shards -------------
+
+
+def _two_shards(root: Path) -> None:
+    for s in range(2):
+        members = {}
+        for j in range(5):
+            members[f"s{s}-{j}.jpg"] = f"img {s} {j}".encode()
+            members[f"s{s}-{j}.cls"] = str(j).encode()
+        _write_tar(root / f"shard-{s}.tar", members)
+
+
+def _indexed(root: Path, tmp_path: Path) -> dict[str, Any]:
+    """The dataset at root with a fastload.flidx beside it; its header, as JSON."""
+    import struct
+
+    from fastload.datasets.tar import write_index
+
+    write_index(str(root), cache_dir=str(tmp_path / "c0"))
+    data = (root / "fastload.flidx").read_bytes()
+    (n,) = struct.unpack_from("<Q", data, 8)
+    header: dict[str, Any] = json.loads(data[16 : 16 + n])
+    return header
+
+
+def _rewrite_index(root: Path, header: dict[str, Any], sections: bytes | None = None) -> None:
+    import struct
+
+    data = (root / "fastload.flidx").read_bytes()
+    (n,) = struct.unpack_from("<Q", data, 8)
+    body = data[16 + n :] if sections is None else sections
+    raw = json.dumps(header).encode()
+    (root / "fastload.flidx").write_bytes(data[:8] + struct.pack("<Q", len(raw)) + raw + body)
+
+
+@pytest.mark.parametrize("samples", [-5, 0, 10**12, 5.0, "5", True])
+def test_a_flidx_count_that_does_not_fit_its_shard_is_refused(samples: Any, tmp_path: Path) -> None:
+    """Was: -5 samples gave 5 samples taken from the next shard; 0 dropped the shard
+    silently; 1e12 was trusted until a sample was read."""
+    root = tmp_path / "ds"
+    _two_shards(root)
+    header = _indexed(root, tmp_path)
+    header["shards"][0]["samples"] = samples
+    _rewrite_index(root, header)
+    with pytest.raises(DatasetError, match=r"fastload\.flidx.*fastload index"):
+        ds = open_dataset(str(root), format="tar", cache_dir=str(tmp_path / "c"))
+        [ds[i] for i in range(len(ds))]
+
+
+def test_a_flidx_section_that_inflates_past_its_claim_is_refused(tmp_path: Path) -> None:
+    """Was: a section was inflated whole before any check: ~1 MB that inflates to 1 GiB
+    was a MemoryError (here, under a 768 MiB address-space limit) at best."""
+    import zlib
+
+    root = tmp_path / "ds"
+    _two_shards(root)
+    header = _indexed(root, tmp_path)
+    deflate, zeros = zlib.compressobj(9), b"\0" * (1 << 20)
+    bomb = b"".join(deflate.compress(zeros) for _ in range(1024)) + deflate.flush()
+    for e in header["shards"]:
+        e["at"], e["length"] = 0, len(bomb)
+    _rewrite_index(root, header, bomb)
+    done = run_python(
+        f"""
+        import resource
+        import fastload as fl
+        ds = fl.open_dataset({str(root)!r}, format="tar", cache_dir={str(tmp_path / "c")!r})
+        resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))
+        try:
+            ds[0]
+        except fl.datasets.DatasetError as e:
+            print("DatasetError:", e)
+        """
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fastload.flidx is damaged" in done.stdout and "fastload index" in done.stdout
+
+
+def _wids(root: Path, counts: list[Any], *, sizes: bool = True) -> None:
+    shards = []
+    for s, n in enumerate(counts):
+        entry: dict[str, Any] = {"url": f"shard-{s}.tar", "nsamples": n}
+        if sizes:
+            entry["filesize"] = (root / f"shard-{s}.tar").stat().st_size
+        shards.append(entry)
+    index = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": shards}
+    (root / "shardindex.json").write_text(json.dumps(index))
+
+
+def test_a_wids_count_of_zero_does_not_drop_the_shard(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    _two_shards(root)
+    _wids(root, [0, 5])
+    ds = open_dataset(str(root), format="tar", cache_dir=str(tmp_path / "c"))
+    assert len(ds) == 10
+    assert [ds[i]["__key__"] for i in range(10)] == [f"s{s}-{j}" for s in (0, 1) for j in range(5)]
+
+
+def test_a_wrong_wids_count_is_called_wrong_not_out_of_date(tmp_path: Path) -> None:
+    root = tmp_path / "ds"
+    _two_shards(root)
+    _wids(root, [4, 5])
+    ds = open_dataset(str(root), format="tar", cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DatasetError, match=r"says 4 for a shard of this size; that index is wrong"):
+        ds[0]

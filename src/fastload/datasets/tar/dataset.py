@@ -246,8 +246,8 @@ class TarDataset(ShardedDataset):
         if len(shard.keys) != promise.samples:
             raise DatasetError(
                 f"{url} holds {len(shard.keys)} samples but {promise.source} says "
-                f"{promise.samples}; that index is out of date: run `fastload index "
-                f"{self.store.url}` (fastload reads its own index first) or rebuild it"
+                f"{promise.samples} for a shard of this size; that index is wrong: rebuild it, "
+                f"or run `fastload index {self.store.url}` (fastload reads its own index first)"
             )
         return shard
 
