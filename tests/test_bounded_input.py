@@ -165,9 +165,13 @@ def test_a_flidx_count_that_does_not_fit_its_shard_is_refused(samples: Any, tmp_
     header = _indexed(root, tmp_path)
     header["shards"][0]["samples"] = samples
     _rewrite_index(root, header)
-    with pytest.raises(DatasetError, match=r"fastload\.flidx.*fastload index"):
+
+    def read_all() -> None:
         ds = open_dataset(str(root), format="tar", cache_dir=str(tmp_path / "c"))
         [ds[i] for i in range(len(ds))]
+
+    with pytest.raises(DatasetError, match=r"fastload\.flidx.*fastload index"):
+        read_all()
 
 
 def test_a_flidx_section_that_inflates_past_its_claim_is_refused(tmp_path: Path) -> None:
@@ -196,7 +200,8 @@ def test_a_flidx_section_that_inflates_past_its_claim_is_refused(tmp_path: Path)
         """
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "fastload.flidx is damaged" in done.stdout and "fastload index" in done.stdout
+    assert "fastload.flidx is damaged" in done.stdout
+    assert "fastload index" in done.stdout
 
 
 def _wids(root: Path, counts: list[Any], *, sizes: bool = True) -> None:
@@ -224,5 +229,5 @@ def test_a_wrong_wids_count_is_called_wrong_not_out_of_date(tmp_path: Path) -> N
     _two_shards(root)
     _wids(root, [4, 5])
     ds = open_dataset(str(root), format="tar", cache_dir=str(tmp_path / "c"))
-    with pytest.raises(DatasetError, match=r"says 4 for a shard of this size; that index is wrong"):
+    with pytest.raises(DatasetError, match=r"says 4; that index is wrong for a shard of this size"):
         ds[0]

@@ -246,7 +246,7 @@ class TarDataset(ShardedDataset):
         if len(shard.keys) != promise.samples:
             raise DatasetError(
                 f"{url} holds {len(shard.keys)} samples but {promise.source} says "
-                f"{promise.samples} for a shard of this size; that index is wrong: rebuild it, "
+                f"{promise.samples}; that index is wrong for a shard of this size: rebuild it, "
                 f"or run `fastload index {self.store.url}` (fastload reads its own index first)"
             )
         return shard
