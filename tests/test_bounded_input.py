@@ -231,3 +231,72 @@ def test_a_wrong_wids_count_is_called_wrong_not_out_of_date(tmp_path: Path) -> N
     ds = open_dataset(str(root), format="tar", cache_dir=str(tmp_path / "c"))
     with pytest.raises(DatasetError, match=r"says 4; that index is wrong for a shard of this size"):
         ds[0]
+
+
+# --- Parquet footers: row counts checked against the row groups ------------------------------
+
+
+def _parquet(path: Path, rows_per_group: int = 77, groups: int = 2) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = rows_per_group * groups
+    table = pa.table({"image": [f"img{i}".encode() for i in range(n)], "label": list(range(n))})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=rows_per_group)
+
+
+def _set_row_group_rows(path: Path, rows: int, new: int) -> None:
+    """Rewrites the footer's RowGroup.num_rows (thrift compact: field 3, i64, right after
+    field 2's varint) from rows to new, fixing the footer's length."""
+    import re
+    import struct
+
+    def varint(v: int) -> bytes:
+        z, out = (v << 1) ^ (v >> 63), b""
+        while True:
+            if z < 0x80:
+                return out + bytes([z])
+            out, z = out + bytes([z & 0x7F | 0x80]), z >> 7
+
+    data = path.read_bytes()
+    (length,) = struct.unpack_from("<I", data, len(data) - 8)
+    footer = data[len(data) - 8 - length : -8]
+    pattern = re.compile(rb"(\x16[\x80-\xff]*[\x00-\x7f])\x16" + re.escape(varint(rows)))
+    assert len(pattern.findall(footer)) == 2  # one per row group
+    footer = pattern.sub(lambda m: m.group(1) + b"\x16" + varint(new), footer, count=1)
+    path.write_bytes(
+        data[: len(data) - 8 - length] + footer + struct.pack("<I", len(footer)) + b"PAR1"
+    )
+
+
+@pytest.mark.parametrize("rows", [-3, 0, 76, 78, 10**12])
+def test_parquet_row_group_counts_that_do_not_add_up_are_refused(rows: int, tmp_path: Path) -> None:
+    """Was: a row group's num_rows of -3 opened with 2 rows taken from the wrong group."""
+    _parquet(tmp_path / "ds" / "a.parquet")
+    _set_row_group_rows(tmp_path / "ds" / "a.parquet", 77, rows)
+    with pytest.raises(DatasetError, match=r"a\.parquet: its footer says 154 rows.*rewrite it"):
+        open_dataset(str(tmp_path / "ds"), format="parquet", cache_dir=str(tmp_path / "c"))
+
+
+def test_parquet_footer_counts_that_add_up_but_lie_never_give_a_wrong_row(
+    tmp_path: Path,
+) -> None:
+    """Footer counts that add up but lie (76 rows where group 0 holds 77): pyarrow reads
+    the rows the footer says, each sample is its own row (one row is left out, never
+    another row given in its place)."""
+    import struct
+
+    path = tmp_path / "ds" / "a.parquet"
+    _parquet(path)
+    _set_row_group_rows(path, 77, 76)
+    data = path.read_bytes()
+    (length,) = struct.unpack_from("<I", data, len(data) - 8)
+    footer = data[len(data) - 8 - length : -8]
+    assert footer.count(b"\x16\xb4\x02") == 1  # FileMetaData.num_rows: 154
+    footer = footer.replace(b"\x16\xb4\x02", b"\x16\xb2\x02")  # 153
+    tail = struct.pack("<I", len(footer)) + b"PAR1"
+    path.write_bytes(data[: len(data) - 8 - length] + footer + tail)
+    ds = open_dataset(str(tmp_path / "ds"), format="parquet", cache_dir=str(tmp_path / "c"))
+    assert len(ds) == 153
+    assert [ds[i]["label"] for i in range(153)] == [*range(76), *range(77, 154)]

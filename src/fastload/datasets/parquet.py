@@ -273,6 +273,12 @@ class ParquetDataset(ShardedDataset):
                 "damaged or changed since the dataset was opened: open it again with "
                 "refresh=True, else rewrite the file"
             ) from e
+        if table.num_rows != file.rows[g]:  # the footer said; never a row of another group
+            raise DatasetError(
+                f"{url}: row group {g} decodes to {table.num_rows} rows where the footer says "
+                f"{file.rows[g]}; the file is damaged or changed since the dataset was opened: "
+                "open it again with refresh=True, else rewrite the file"
+            )
         out = {name: self._values(table.column(name), name) for name in self.columns}
         return out, int(table.nbytes) + _ENTRY_OVERHEAD_BYTES * (1 + table.num_rows)
 
@@ -402,8 +408,19 @@ def _parse_footer(store: CachedStore, key: str, size: int, length: int) -> Any:
             "damaged: rewrite it"
         ) from e
     data_end = size - _TAIL - length
+    rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+    if any(n < 0 for n in rows) or sum(rows) != md.num_rows:
+        raise DatasetError(
+            f"{url}: its footer says {md.num_rows} rows, but its row groups hold {rows}; the "
+            "file is damaged: rewrite it"
+        )
     for g in range(md.num_row_groups):
         rg = md.row_group(g)
+        if rg.num_rows and not rg.num_columns:
+            raise DatasetError(
+                f"{url}: row group {g} says {rg.num_rows} rows but holds no columns; the "
+                "file is damaged: rewrite it"
+            )
         for c in range(rg.num_columns):
             chunk = rg.column(c)
             start, end = _chunk_span(chunk)
