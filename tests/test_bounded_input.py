@@ -300,3 +300,28 @@ def test_parquet_footer_counts_that_add_up_but_lie_never_give_a_wrong_row(
     ds = open_dataset(str(tmp_path / "ds"), format="parquet", cache_dir=str(tmp_path / "c"))
     assert len(ds) == 153
     assert [ds[i]["label"] for i in range(153)] == [*range(76), *range(77, 154)]
+
+
+# --- Parquet: one class index for dictionary-encoded labels ---------------------------------
+
+
+def test_dictionary_labels_mean_the_same_class_in_every_file_and_row_group(tmp_path: Path) -> None:
+    """Was: a label was its position in its own chunk's dictionary: 0 was "dog" in one
+    file (or row group) and "cat" in another."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    parts = {"a.parquet": ["dog", "dog", "fox", None], "b.parquet": ["cat", "fox", "cat", "émeu"]}
+    for key, names in parts.items():
+        labels = pa.array(names).dictionary_encode()  # each file's dictionary: its own order
+        images = pa.array([f"{key}{i}".encode() for i in range(len(names))])
+        pq.write_table(pa.table({"image": images, "label": labels}), root / key, row_group_size=2)
+    ds = open_dataset(str(root), format="parquet", cache_dir=str(tmp_path / "c"))
+    assert ds.classes == ["cat", "dog", "fox", "émeu"]
+    got = [ds[i]["label"] for i in range(len(ds))]
+    names = [*parts["a.parquet"], *parts["b.parquet"]]
+    assert got == [None if n is None else ds.classes.index(n) for n in names]
+    again = open_dataset(str(root), format="parquet", cache_dir=str(tmp_path / "c"))
+    assert again.classes == ds.classes  # kept beside the listing
