@@ -325,3 +325,73 @@ def test_dictionary_labels_mean_the_same_class_in_every_file_and_row_group(tmp_p
     assert got == [None if n is None else ds.classes.index(n) for n in names]
     again = open_dataset(str(root), format="parquet", cache_dir=str(tmp_path / "c"))
     assert again.classes == ds.classes  # kept beside the listing
+
+
+# --- Zarr: shapes bounded by the objects that exist; chunks inflated with a bound -------------
+
+
+def _zarr_v2(root: Path, shape: Any, chunks: Any, chunk_files: dict[str, bytes]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "zarr_format": 2,
+        "shape": shape,
+        "chunks": chunks,
+        "dtype": "|u1",
+        "compressor": {"id": "gzip", "level": 1},
+        "fill_value": 0,
+        "filters": None,
+        "order": "C",
+    }
+    (root / ".zarray").write_text(json.dumps(meta))
+    for key, data in chunk_files.items():
+        (root / key).write_bytes(data)
+
+
+@pytest.mark.parametrize("shape", [[10**9], [1e9], [2**63]])
+def test_a_zarr_shape_far_beyond_its_chunks_is_refused_at_once(shape: Any, tmp_path: Path) -> None:
+    """Was: shape[0] = 1e9 with chunks of 1 row looped per chunk-row in Python for 80-120 s
+    (a float 1e9 was taken as a count)."""
+    import gzip
+
+    _zarr_v2(tmp_path / "ds", shape, [1], {"0": gzip.compress(b"\1")})
+    code = f"""
+        import fastload as fl
+        try:
+            fl.open_dataset(
+                {str(tmp_path / "ds")!r}, format="zarr", cache_dir={str(tmp_path / "c")!r}
+            )
+        except fl.datasets.DatasetError as e:
+            print("DatasetError:", e)
+    """
+    done = run_python(code, timeout_s=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "DatasetError:" in done.stdout
+    assert "ds/.zarray" in done.stdout
+
+
+def test_a_zarr_chunk_that_inflates_past_its_shape_is_refused(tmp_path: Path) -> None:
+    """Was: a gzip chunk was inflated whole (1 GiB from ~1 MB) before its size was
+    checked: a MemoryError at best (here, under a 768 MiB address-space limit)."""
+    import zlib
+
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 16 + 15)
+    zeros = b"\0" * (1 << 20)
+    bomb = b"".join(deflate.compress(zeros) for _ in range(1024)) + deflate.flush()
+    _zarr_v2(tmp_path / "ds", [32], [16], {"0": bomb})
+    code = f"""
+        import resource
+        import fastload as fl
+        ds = fl.open_dataset(
+            {str(tmp_path / "ds")!r}, format="zarr", cache_dir={str(tmp_path / "c")!r}
+        )
+        resource.setrlimit(resource.RLIMIT_AS, (768 << 20, 768 << 20))
+        try:
+            ds[0]
+        except fl.datasets.DatasetError as e:
+            print("DatasetError:", e)
+        print(ds[16].tolist())  # chunk 1 was never written: the fill value
+    """
+    done = run_python(code, timeout_s=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ds/0: decoding with gzip failed (it inflates past the chunk" in done.stdout
+    assert done.stdout.strip().endswith("0")

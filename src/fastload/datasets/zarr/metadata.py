@@ -171,18 +171,45 @@ def _read_json(store: CachedStore, key: str) -> dict[str, Any]:
 def _parse_array(url: str, name: str, meta: dict[str, Any]) -> ZarrArray:
     where = f"{url}/{meta['_prefix']}{'zarr.json' if meta.get('zarr_format') == 3 else '.zarray'}"
     try:
-        if meta.get("zarr_format") == 3:
-            return _parse_v3(where, name, meta)
-        return _parse_v2(where, name, meta)
-    except (KeyError, TypeError, ValueError) as e:
+        array = _parse_v3(where, name, meta) if meta.get("zarr_format") == 3 else None
+        array = _parse_v2(where, name, meta) if array is None else array
+        if array.chunk_nbytes > _MAX_CHUNK_BYTES:
+            raise DatasetError(
+                f"{where}: chunks {array.chunks} of {array.stored_dtype} take "
+                f"{array.chunk_nbytes} bytes each, more than fastload decodes at once "
+                f"({_MAX_CHUNK_BYTES}); rewrite the array with smaller chunks"
+            )
+        return array
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         if isinstance(e, DatasetError):
             raise
         raise DatasetError(f"{where} is malformed ({type(e).__name__}: {e}); rewrite it") from e
 
 
+# One decoded chunk (an inner chunk, for a sharded array) at most; a shape's axis at most.
+_MAX_CHUNK_BYTES = 4 << 30
+_MAX_EXTENT = 1 << 48
+
+
+def _integers(where: str, what: str, values: Any) -> tuple[int, ...]:
+    """A list of JSON integers (not floats, bools or strings: 1e9 is not a row count)."""
+    if not isinstance(values, list | tuple) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
+        raise DatasetError(f"{where}: {what} is {values!r}, expected a list of integers")
+    return tuple(values)
+
+
 def _shape(where: str, shape: Any, chunks: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    shape, chunks = tuple(int(s) for s in shape), tuple(int(c) for c in chunks)
-    if len(shape) != len(chunks) or any(s < 0 for s in shape) or any(c <= 0 for c in chunks):
+    shape, chunks = _integers(where, "shape", shape), _integers(where, "chunks", chunks)
+    if any(not 0 <= s <= _MAX_EXTENT for s in shape) or any(
+        not 0 < c <= _MAX_EXTENT for c in chunks
+    ):
+        raise DatasetError(
+            f"{where}: shape {shape} and chunks {chunks} must be 0 to {_MAX_EXTENT} per axis "
+            "(chunks above 0); rewrite the metadata"
+        )
+    if len(shape) != len(chunks):
         raise DatasetError(
             f"{where}: shape {shape} and chunks {chunks} do not fit; expected one chunk length "
             "> 0 per axis"
