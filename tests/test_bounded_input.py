@@ -395,3 +395,111 @@ def test_a_zarr_chunk_that_inflates_past_its_shape_is_refused(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ds/0: decoding with gzip failed (it inflates past the chunk" in done.stdout
     assert done.stdout.strip().endswith("0")
+
+
+# --- CachedZarrStore: zarr-python's store conformance tests, read-only subset ----------------
+
+
+class TestCachedZarrStoreReadOnly:
+    """zarr-python 3's ``StoreTests`` (zarr/testing/store.py) that a read-only store must
+    pass, run on :class:`CachedZarrStore` over a local folder. ``set`` writes the object
+    beside the others and lists the folder again, bypassing the store as StoreTests asks.
+    (Run synchronously: StoreTests' coroutines under asyncio.run, no pytest-asyncio.)"""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Any:
+        from fastload.datasets.zarr.store import CachedZarrStore
+        from fastload.store import CachedStore, StoreConfig
+
+        root = tmp_path / "ds"
+        root.mkdir()
+        (root / "placeholder").write_bytes(b"")
+        config = StoreConfig(url=str(root), cache_dir=str(tmp_path / "c"), refresh=True)
+        return CachedZarrStore(CachedStore(config))
+
+    @property
+    def buffer_cls(self) -> Any:
+        from zarr.core.buffer import cpu
+
+        return cpu.Buffer
+
+    async def set(self, store: Any, key: str, value: Any) -> None:
+        from fastload.store import CachedStore
+
+        path = Path(store.store.url) / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(value.to_bytes())
+        store.store.close()
+        store.__init__(CachedStore(store.store.config))
+
+    async def get(self, store: Any, key: str) -> Any:
+        return self.buffer_cls.from_bytes((Path(store.store.url) / key).read_bytes())
+
+    @staticmethod
+    def _run(name: str, *args: Any) -> None:
+        import asyncio
+
+        from zarr.testing.store import StoreTests
+
+        asyncio.run(getattr(StoreTests, name)(*args))
+
+    @pytest.mark.parametrize("key", ["c/0", "foo/c/0.0", "foo/0/0", "clåss/c +%/0"])
+    @pytest.mark.parametrize("case", range(5))
+    def test_get(self, store: Any, key: str, case: int) -> None:
+        from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+        data, byte_range = [
+            (b"\x01\x02\x03\x04", None),
+            (b"\x01\x02\x03\x04", RangeByteRequest(1, 4)),
+            (b"\x01\x02\x03\x04", OffsetByteRequest(1)),
+            (b"\x01\x02\x03\x04", SuffixByteRequest(1)),
+            (b"", None),
+        ][case]
+        self._run("test_get", self, store, key, data, byte_range)
+
+    def test_get_raises(self, store: Any) -> None:
+        """Was: an UnboundLocalError."""
+        self._run("test_get_raises", self, store)
+
+    def test_get_many(self, store: Any) -> None:
+        self._run("test_get_many", self, store)
+
+    @pytest.mark.parametrize("key", ["c/0", "foo/c/0.0"])
+    @pytest.mark.parametrize("data", [b"\x01\x02\x03\x04", b""])
+    def test_getsize(self, store: Any, key: str, data: bytes) -> None:
+        self._run("test_getsize", self, store, key, data)
+
+    def test_getsize_raises(self, store: Any) -> None:
+        self._run("test_getsize_raises", self, store)
+
+    def test_get_partial_values(self, store: Any) -> None:
+        from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+        ranges = [
+            ("c/0/0", RangeByteRequest(0, 2)),
+            ("c/0/1", SuffixByteRequest(2)),
+            ("c/0/2", OffsetByteRequest(2)),
+        ]
+        self._run("test_get_partial_values", self, store, ranges)
+
+    def test_get_bytes_and_json(self, store: Any) -> None:
+        self._run("test_get_bytes", self, store)
+        self._run("test_get_json", self, store)
+
+    def test_store_supports_writes(self, store: Any) -> None:
+        assert not store.supports_writes
+        assert not store.supports_deletes
+        assert store.read_only
+
+    def test_a_range_past_the_end_or_backwards(self, store: Any) -> None:
+        import asyncio
+
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+
+        asyncio.run(self.set(store, "c/0", self.buffer_cls.from_bytes(b"\x01\x02\x03\x04")))
+        get = store.get
+        past = asyncio.run(get("c/0", default_buffer_prototype(), RangeByteRequest(2, 10)))
+        assert past.to_bytes() == b"\x03\x04"
+        with pytest.raises(ValueError, match="Unexpected byte_range"):
+            asyncio.run(get("c/0", default_buffer_prototype(), RangeByteRequest(3, 1)))
