@@ -503,3 +503,80 @@ class TestCachedZarrStoreReadOnly:
         assert past.to_bytes() == b"\x03\x04"
         with pytest.raises(ValueError, match="Unexpected byte_range"):
             asyncio.run(get("c/0", default_buffer_prototype(), RangeByteRequest(3, 1)))
+
+
+# --- the .flm manifest: checked before it is used; truncation in place cannot kill a reader ---
+
+
+def _manifest(path: Path, n: int = 2000) -> None:
+    from fastload.manifest import Manifest, RemoteObject
+
+    objects = [RemoteObject(f"clåss {i % 7}/{i:05d}.jpg", i, f"v{i}") for i in range(n)]
+    Manifest("s3://b/ds", objects).save(path)
+
+
+def test_a_manifest_truncated_in_place_while_in_use_does_not_kill_its_reader(
+    tmp_path: Path,
+) -> None:
+    """Was: the manifest was always mapped; truncated in place while mapped, the next key
+    read killed the process with SIGBUS. A file that is not sealed (read-only to all, as
+    fastload publishes a manifest) is read into a private copy instead."""
+    path = tmp_path / "m.flm"
+    _manifest(path)
+    code = f"""
+        import os
+        from pathlib import Path
+        from fastload.manifest import Manifest
+        m = Manifest.load(Path({str(path)!r}))
+        os.truncate({str(path)!r}, 4096)
+        print(sum(len(m.key(i)) for i in range(len(m))), m.size(len(m) - 1))
+    """
+    done = run_python(code, timeout_s=60)
+    assert done.returncode == 0, f"rc {done.returncode}: {done.stderr[-2000:]}"
+    total = sum(len(f"clåss {i % 7}/{i:05d}.jpg") for i in range(2000))
+    assert done.stdout.split() == [str(total), "1994"]  # the last key: clåss 6/01994.jpg
+
+
+def test_load_manifest_publishes_a_sealed_file(tmp_path: Path) -> None:
+    """What load_manifest writes is read-only to all (so it is mapped and shared)."""
+    from fastload.manifest import load_manifest, manifest_path
+
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "a").write_bytes(b"x")
+    load_manifest(str(tmp_path / "ds"), tmp_path / "c")
+    assert manifest_path(tmp_path / "c", str(tmp_path / "ds")).stat().st_mode & 0o777 == 0o444
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["count", "key_bytes", "header_len", "offsets", "hash_order", "sizes"],
+)
+def test_a_damaged_manifest_is_refused_before_use(damage: str, tmp_path: Path) -> None:
+    import struct
+
+    from fastload.manifest import Manifest
+
+    path = tmp_path / "m.flm"
+    _manifest(path, 50)
+    data = bytearray(path.read_bytes())
+    (hlen,) = struct.unpack_from("<Q", data, 8)
+    header = json.loads(data[16 : 16 + hlen])
+    body = 16 + hlen + (-(16 + hlen) % 8)
+    if damage in ("count", "key_bytes"):  # the same length: only the number changes
+        digits = str(header[damage])
+        now = f"-{digits[1:]}" if damage == "count" else "9" * len(digits)
+        head = bytes(data[16 : 16 + hlen])
+        data[16 : 16 + hlen] = head.replace(
+            f'"{damage}": {digits}'.encode(), f'"{damage}": {now}'.encode()
+        )
+    elif damage == "header_len":
+        data[8:16] = struct.pack("<Q", 2**63)
+    elif damage == "offsets":
+        struct.pack_into("<q", data, body + 8 * 3, -7)  # key offset 3
+    elif damage == "hash_order":
+        struct.pack_into("<q", data, body + 8 * (51 + 50 + 51 + 50), 10**9)
+    else:
+        struct.pack_into("<q", data, body + 8 * 51, -5)  # size of object 0
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"m\.flm"):
+        Manifest.load(path)
