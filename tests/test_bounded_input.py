@@ -580,3 +580,42 @@ def test_a_damaged_manifest_is_refused_before_use(damage: str, tmp_path: Path) -
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"m\.flm"):
         Manifest.load(path)
+
+
+# --- a null label -----------------------------------------------------------------------------
+
+
+def test_a_null_label_raises_naming_its_sample_or_is_skipped(tmp_path: Path) -> None:
+    """Was: torch's "Could not infer dtype of NoneType", naming only "decode stage, batch
+    0", with on_error="skip" too."""
+    import io as _io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    import fastload as fl
+    from fastload.errors import DecodeError
+
+    def jpeg(i: int) -> bytes:
+        out = _io.BytesIO()
+        Image.fromarray(np.full((8, 8, 3), i * 20, np.uint8)).save(out, "JPEG")
+        return out.getvalue()
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    labels = pa.array([0, 1, None, 3, 4, 5], pa.int64())
+    images = pa.array([jpeg(i) for i in range(6)])
+    pq.write_table(pa.table({"image": images, "label": labels}), root / "a.parquet")
+    ds = open_dataset(str(root), format="parquet", cache_dir=str(tmp_path / "c"))
+    settings: dict[str, Any] = {"batch_size": 3, "decode": "cpu"}
+    with pytest.raises(
+        DecodeError,
+        match=r"sample 2 \(row 2 of row group 0 of .*a\.parquet\) has no label.*on_error='skip'",
+    ):
+        list(fl.DataLoader(ds, **settings))
+    loader = fl.DataLoader(ds, on_error="skip", **settings)
+    got = [labels.tolist() for _, labels in loader]
+    assert got == [[0, 1, 0], [3, 4, 5]]  # sample 2's place goes to another of its batch
+    assert loader.stats()["skipped_samples"] == 1

@@ -233,6 +233,10 @@ class ParquetDataset(ShardedDataset):
         image = sample[self.image_column]
         return image, None if self.label_column is None else sample[self.label_column]
 
+    def describe(self, index: int) -> str:
+        key, group, row = self.where(index)
+        return f"row {row} of row group {group} of {self.store.object_url(key)}"
+
     def no_image(self, index: int) -> str:
         key, group, row = self.where(index)
         return (
@@ -495,12 +499,20 @@ def _parse_footer(store: CachedStore, key: str, size: int, length: int) -> Any:
     tail = struct.pack("<I", length) + _MAGIC
     try:  # the footer alone, framed as a file of its own: pyarrow parses only the footer
         md = pq.read_metadata(pa.BufferReader(_MAGIC + footer + tail))
+        md.schema.to_arrow_schema()  # its names and types are sound (UTF-8, known types)
+        _check_spans(url, md, size - _TAIL - length)
+    except DatasetError:
+        raise
     except Exception as e:
         raise DatasetError(
             f"{url}: its footer cannot be parsed ({type(e).__name__}: {e}); the file is "
             "damaged: rewrite it"
         ) from e
-    data_end = size - _TAIL - length
+    return md
+
+
+def _check_spans(url: str, md: Any, data_end: int) -> None:
+    """Row counts add up and every column chunk lies within the file's data."""
     rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
     if any(n < 0 for n in rows) or sum(rows) != md.num_rows:
         raise DatasetError(
@@ -517,13 +529,13 @@ def _parse_footer(store: CachedStore, key: str, size: int, length: int) -> Any:
         for c in range(rg.num_columns):
             chunk = rg.column(c)
             start, end = _chunk_span(chunk)
-            if start < 0 or end > data_end:
+            chunk.path_in_schema  # noqa: B018  # UTF-8 (a reader compares it): checked now
+            if start < 0 or end < start or end > data_end:
                 raise DatasetError(
                     f"{url}: row group {g} column {chunk.path_in_schema!r} ends at byte "
                     f"{end}, past the data ({data_end} bytes); the file is truncated or "
                     "damaged: rewrite it"
                 )
-    return md
 
 
 def _chunk_span(chunk: Any) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from fastload.datasets.base import (
     keys_ending,
 )
 from fastload.datasets.tar.index import INDEX_NAME, IndexFile, index_path, write_atomically
-from fastload.datasets.tar.members import SCAN_READ_BYTES, Member, count_samples, scan_tar
+from fastload.datasets.tar.members import BLOCK, SCAN_READ_BYTES, Member, count_samples, scan_tar
 from fastload.store import CachedStore
 
 log = logging.getLogger("fastload.datasets.tar")
@@ -169,8 +169,9 @@ def _wids_counts(store: CachedStore, keys: list[str]) -> dict[str, int]:
             if shard is None or shard.get("filesize", size) != size:
                 continue  # not in it, or changed since: indexed from the shard
             n = shard["nsamples"]
-            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise ValueError(f"nsamples of {key} is {n!r}, expected a count")
+            most = (size // BLOCK) if size is not None else 1 << 40  # a sample: a member
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= most:
+                raise ValueError(f"nsamples of {key} is {n!r}, expected a count to {most}")
             if n > 0:  # a shard said to be empty is read at open: never dropped unread
                 counts[key] = n
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -119,12 +119,20 @@ def _array(
             raise DatasetError(
                 f"{e}; zarr-python 3 reads it through fastload's cache: pip install zarr"
             ) from e
-        return ZarrPythonArray(
-            name=name,
-            store=store,
-            existing=existing,
-            reason=f"{e.why} are not read by fastload's own reader",
-        )
+        try:
+            return ZarrPythonArray(
+                name=name,
+                store=store,
+                existing=existing,
+                reason=f"{e.why} are not read by fastload's own reader",
+            )
+        except (ImportError, DatasetError):
+            raise
+        except Exception as z:  # zarr-python's own refusal: name the file, say what to do
+            raise DatasetError(
+                f"{e}; zarr-python cannot open it either ({type(z).__name__}: {z}): rewrite "
+                "the array's metadata"
+            ) from z
 
 
 def _child_nodes(existing: frozenset[str]) -> list[str]:
@@ -180,7 +188,7 @@ def _parse_array(url: str, name: str, meta: dict[str, Any]) -> ZarrArray:
                 f"({_MAX_CHUNK_BYTES}); rewrite the array with smaller chunks"
             )
         return array
-    except (KeyError, TypeError, ValueError, OverflowError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError) as e:
         if isinstance(e, DatasetError):
             raise
         raise DatasetError(f"{where} is malformed ({type(e).__name__}: {e}); rewrite it") from e
@@ -245,6 +253,8 @@ def _parse_v2(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
         codecs.append(meta["compressor"])
     codecs += reversed(meta.get("filters") or [])  # filters were applied before compressing
     separator = meta.get("dimension_separator") or "."
+    if separator not in (".", "/"):
+        raise DatasetError(f"{where}: dimension_separator {separator!r}, expected '.' or '/'")
     dtype = _native(stored)
     return ZarrArray(
         name=name,
@@ -293,6 +303,8 @@ def _parse_v3(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
     separator = (encoding.get("configuration") or {}).get(
         "separator", "/" if encoding["name"] == "default" else "."
     )
+    if separator not in (".", "/"):
+        raise DatasetError(f"{where}: chunk key separator {separator!r}, expected '.' or '/'")
     if encoding["name"] == "default":
         key_prefix = meta["_prefix"] + "c" + separator
     elif encoding["name"] == "v2":
