@@ -20,7 +20,14 @@ import fastload.manifest as manifest_module
 import fastload.remote.listing as listing_module
 import fastload.remote.obstore as transport
 from fastload.datasets import ImageFolderDataset, detect_format, open_dataset
-from fastload.manifest import Manifest, RemoteObject, list_dataset, load_manifest, manifest_path
+from fastload.manifest import (
+    Manifest,
+    RemoteObject,
+    list_dataset,
+    load_manifest,
+    manifest_path,
+    seal,
+)
 from fastload.testing import S3FolderServer
 from fastload.testing.s3_folder import S3FolderProcess
 from fastload.testing.synthetic import ImageFolderLayout, random_payloads
@@ -124,6 +131,7 @@ def _smaps_of(path: Path) -> dict[str, int]:
 def test_two_processes_share_one_read_only_mapping_of_the_manifest(tmp_path: Path) -> None:
     objects = [RemoteObject(f"c{i % 9}/{i:07d}.jpg", i, f'"{i:032x}"') for i in range(60_000)]
     Manifest("s3://b/ds", objects).save(tmp_path / "m.flm")
+    seal(tmp_path / "m.flm")  # as load_manifest publishes it: only a sealed file is mapped
     mapped = Manifest.load(tmp_path / "m.flm")
     sum(len(o.key) for o in mapped)
     context = multiprocessing.get_context("spawn")

@@ -18,6 +18,7 @@ import numpy as np
 from fastload.datasets.base import DatasetError, Range, ShardedDataset
 from fastload.datasets.columns import IndexRuns, Int64s, ends_with, key_tails, slashes
 from fastload.manifest import Manifest
+from fastload.remote.listing import ENCODING as _ENCODING
 from fastload.store import CachedStore
 
 # torchvision's IMG_EXTENSIONS: the files ImageFolder takes as samples.
@@ -193,9 +194,14 @@ def _class_runs(manifest: Manifest, extensions: tuple[str, ...]) -> list[tuple[s
     at = 0
     while at < len(candidates):
         i = int(candidates[at])
-        name = manifest.key(i)[: int(first[i])]
+        name = _folder_of(manifest, i, int(first[i]))
         end = manifest.search(name + "0")  # "0" follows "/": past every "name/..." key
         stop = int(np.searchsorted(candidates, end))
+        if stop <= at:  # cannot happen for a sorted listing; never loop on one that is not
+            raise DatasetError(
+                f"{manifest.url}: the listing is not in key order at {manifest.key(i)!r}; "
+                "open the dataset again with refresh=True"
+            )
         members = candidates[at:stop]
         if (last[members] != first[members]).any():  # subfolders: by folder, then name
             keys = {int(m): manifest.key(int(m)) for m in members}
@@ -203,6 +209,13 @@ def _class_runs(manifest: Manifest, extensions: tuple[str, ...]) -> list[tuple[s
         runs.append((name, members.astype(np.int64)))
         at = stop
     return runs
+
+
+def _folder_of(manifest: Manifest, i: int, first_slash: int) -> str:
+    """Key i up to its first ``/``: ``first_slash`` counts UTF-8 bytes, not characters
+    (``clåss/x.jpg`` has its slash at byte 6, character 5)."""
+    start = int(manifest.key_offsets[i])
+    return str(manifest.key_blob[start : start + first_slash], *_ENCODING)
 
 
 def with_extension(manifest: Manifest, extensions: tuple[str, ...]) -> np.ndarray:

@@ -18,11 +18,14 @@ per-process LRU bounded by bytes, so consecutive rows decode it once.
 
 Values: binary as ``bytes``; the image column as its bytes (a Hugging Face ``Image``
 struct ``{bytes, path}`` gives its ``bytes``); the label column as an int (a dictionary-
-encoded one as its index); nulls as None; other columns as pyarrow's ``as_py`` gives them.
+encoded one as its value's position in ``classes``, the sorted distinct values of every
+file's dictionaries: the same int is the same class in every file and row group); nulls
+as None; other columns as pyarrow's ``as_py`` gives them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import struct
@@ -44,6 +47,7 @@ from fastload.datasets.base import (
 )
 from fastload.datasets.lru import ProcessLRU
 from fastload.errors import MissingBackendError
+from fastload.remote.listing import ENCODING as _ENCODING
 from fastload.store import CachedStore
 
 DEFAULT_ROW_GROUP_CACHE_BYTES = 256 << 20
@@ -188,6 +192,10 @@ class ParquetDataset(ShardedDataset):
         self._shard_group: npt.NDArray[np.int32] = np.asarray(shard_group, dtype=np.int32)
         self._new_locks()
         super().__init__(store, sizes, [[files[f].key] for f in shard_file])
+        # A dictionary-encoded label's index is its position in its own chunk's dictionary:
+        # one global class list (its values sorted) makes a label the same class everywhere.
+        # Made when first needed (opening reads only footers), then kept beside the listing.
+        self._classes: list[Any] | None = None
 
     def _new_locks(self) -> None:
         self._pid = os.getpid()
@@ -224,6 +232,10 @@ class ParquetDataset(ShardedDataset):
         # A null image stays None: the loader raises for it, or skips it like a bad image.
         image = sample[self.image_column]
         return image, None if self.label_column is None else sample[self.label_column]
+
+    def describe(self, index: int) -> str:
+        key, group, row = self.where(index)
+        return f"row {row} of row group {group} of {self.store.object_url(key)}"
 
     def no_image(self, index: int) -> str:
         key, group, row = self.where(index)
@@ -273,6 +285,12 @@ class ParquetDataset(ShardedDataset):
                 "damaged or changed since the dataset was opened: open it again with "
                 "refresh=True, else rewrite the file"
             ) from e
+        if table.num_rows != file.rows[g]:  # the footer said; never a row of another group
+            raise DatasetError(
+                f"{url}: row group {g} decodes to {table.num_rows} rows where the footer says "
+                f"{file.rows[g]}; the file is damaged or changed since the dataset was opened: "
+                "open it again with refresh=True, else rewrite the file"
+            )
         out = {name: self._values(table.column(name), name) for name in self.columns}
         return out, int(table.nbytes) + _ENTRY_OVERHEAD_BYTES * (1 + table.num_rows)
 
@@ -305,10 +323,95 @@ class ParquetDataset(ShardedDataset):
                 field = _image_field(chunk.type)
                 values += chunk.flatten()[field].to_pylist()  # flatten: nulls of the struct
             elif name == self.label_column and pa.types.is_dictionary(chunk.type):
-                values += chunk.indices.to_pylist()
+                values += self._class_indices(chunk)
             else:
                 values += chunk.to_pylist()
         return values
+
+    @property
+    def classes(self) -> list[Any] | None:
+        """With a dictionary-encoded label column: its distinct values over every file,
+        sorted; a sample's label is its value's position here. None otherwise."""
+        if self.label_column is None:
+            return None
+        if self._classes is None:
+            kind = self._schema_type(self.label_column)
+            if not pa_is_dictionary(kind):
+                return None
+            self._classes = self._label_classes()
+        return self._classes
+
+    def _schema_type(self, name: str) -> Any:
+        return self.metadata(0).schema.to_arrow_schema().field(name).type
+
+    def _class_indices(self, chunk: Any) -> list[int | None]:
+        """A dictionary chunk's values as positions in :attr:`classes` (None for a null)."""
+        assert self.classes is not None
+        dictionary = chunk.dictionary.to_pylist()
+        at = {value: i for i, value in enumerate(self.classes)}  # a few classes: cheap
+        try:
+            mapped = [at[value] for value in dictionary]
+        except KeyError as e:
+            raise DatasetError(
+                f"{self.store.url}: label {e.args[0]!r} is in no file's dictionary as the "
+                "dataset was opened; a file changed since: open it again with refresh=True"
+            ) from None
+        return [None if i is None else mapped[i] for i in chunk.indices.to_pylist()]
+
+    def _label_classes(self) -> list[Any]:
+        """The sorted distinct values of the label column over every file (each row group's
+        label column chunk read once; kept beside the listing for the next open)."""
+        name = self.label_column
+        assert name is not None
+
+        def make() -> dict[str, Any]:
+            groups = [(f, g) for f, file in enumerate(self.files) for g in range(len(file.rows))]
+            with ThreadPoolExecutor(
+                min(_OPEN_THREADS, max(1, len(groups))), thread_name_prefix="fastload-parquet"
+            ) as pool:
+                found = set().union(
+                    *pool.map(lambda fg: self._dictionary(fg[0], fg[1], name), groups)
+                )
+            found.discard(None)
+            try:
+                classes = sorted(found)
+            except TypeError as e:
+                raise DatasetError(
+                    f"{self.store.url}: the values of label column {name!r} cannot be ordered "
+                    f"({e}); name another label_column="
+                ) from None
+            return {"classes": np.array(classes)}
+
+        keys = "\0".join(file.key for file in self.files)
+        ident = hashlib.sha256(f"{name}\0{keys}".encode(*_ENCODING)).hexdigest()[:12]
+        found = self.store.manifest.derived(f"parquet-classes-{ident}", make)
+        return list(found["classes"].tolist())
+
+    def _dictionary(self, f: int, g: int, name: str) -> set[Any]:
+        """The values in the dictionary of column name's chunk in row group g of file f."""
+        _, pq = _pyarrow()
+        file = self.files[f]
+        md = self.metadata(f)
+        source = _RangeFile(self.store, file.key, file.size)
+        rg = md.row_group(g)
+        spans = [
+            _chunk_span(rg.column(c))
+            for c in range(rg.num_columns)
+            if rg.column(c).path_in_schema == name
+        ]
+        source.prefetch(_coalesce(spans))
+        try:
+            column = (
+                pq.ParquetFile(source, metadata=md)
+                .read_row_group(g, columns=[name], use_threads=False)
+                .column(name)
+            )
+        except Exception as e:
+            raise DatasetError(
+                f"{self.store.object_url(file.key)}: row group {g} cannot be read "
+                f"({type(e).__name__}: {e}); the file is damaged: rewrite it"
+            ) from e
+        return {v for chunk in column.chunks for v in chunk.dictionary.to_pylist()}
 
     def metadata(self, f: int) -> Any:
         """pyarrow's ``FileMetaData`` of file f (its footer, read again from the cache in a
@@ -396,24 +499,43 @@ def _parse_footer(store: CachedStore, key: str, size: int, length: int) -> Any:
     tail = struct.pack("<I", length) + _MAGIC
     try:  # the footer alone, framed as a file of its own: pyarrow parses only the footer
         md = pq.read_metadata(pa.BufferReader(_MAGIC + footer + tail))
+        md.schema.to_arrow_schema()  # its names and types are sound (UTF-8, known types)
+        _check_spans(url, md, size - _TAIL - length)
+    except DatasetError:
+        raise
     except Exception as e:
         raise DatasetError(
             f"{url}: its footer cannot be parsed ({type(e).__name__}: {e}); the file is "
             "damaged: rewrite it"
         ) from e
-    data_end = size - _TAIL - length
+    return md
+
+
+def _check_spans(url: str, md: Any, data_end: int) -> None:
+    """Row counts add up and every column chunk lies within the file's data."""
+    rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+    if any(n < 0 for n in rows) or sum(rows) != md.num_rows:
+        raise DatasetError(
+            f"{url}: its footer says {md.num_rows} rows, but its row groups hold {rows}; the "
+            "file is damaged: rewrite it"
+        )
     for g in range(md.num_row_groups):
         rg = md.row_group(g)
+        if rg.num_rows and not rg.num_columns:
+            raise DatasetError(
+                f"{url}: row group {g} says {rg.num_rows} rows but holds no columns; the "
+                "file is damaged: rewrite it"
+            )
         for c in range(rg.num_columns):
             chunk = rg.column(c)
             start, end = _chunk_span(chunk)
-            if start < 0 or end > data_end:
+            chunk.path_in_schema  # noqa: B018  # UTF-8 (a reader compares it): checked now
+            if start < 0 or end < start or end > data_end:
                 raise DatasetError(
                     f"{url}: row group {g} column {chunk.path_in_schema!r} ends at byte "
                     f"{end}, past the data ({data_end} bytes); the file is truncated or "
                     "damaged: rewrite it"
                 )
-    return md
 
 
 def _chunk_span(chunk: Any) -> tuple[int, int]:
@@ -436,6 +558,11 @@ def _coalesce(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 # --- columns -------------------------------------------------------------------------------
+
+
+def pa_is_dictionary(kind: Any) -> bool:
+    pa, _ = _pyarrow()
+    return bool(pa.types.is_dictionary(kind))
 
 
 def _require(store: CachedStore, key: str, schema: Any, name: str) -> None:

@@ -344,7 +344,13 @@ class BatchBuilder:
         pairs = [split(s, i) for s, i in zip(samples, indices, strict=True)]
         encoded = [p[0] for p in pairs]
         labels = [p[1] for p in pairs]
-        decoded = self._decode_present(encoded, indices, epoch)
+        unlabelled: set[int] = set()
+        if any(label is None for label in labels) and any(label is not None for label in labels):
+            # A null label among labelled samples (a null Parquet cell): torch could not
+            # collate it; it is a bad sample, raised or skipped as one without an image.
+            unlabelled = {pos for pos, label in enumerate(labels) if label is None}
+            encoded = [None if pos in unlabelled else e for pos, e in enumerate(encoded)]
+        decoded = self._decode_present(encoded, indices, epoch, unlabelled)
         images, kept = decoded.images, decoded.kept
         if decoded.skipped:
             self.stats.skipped([reason for _, reason in decoded.skipped])
@@ -376,16 +382,24 @@ class BatchBuilder:
             return images
         return images, default_collate(labels)
 
-    def _decode_present(self, encoded: list[Any], indices: list[int], epoch: int) -> DecodedBatch:
+    def _no_label(self, index: int) -> str:
+        return _no_label_reason(self.dataset.describe, index)
+
+    def _decode_present(
+        self, encoded: list[Any], indices: list[int], epoch: int, unlabelled: set[int]
+    ) -> DecodedBatch:
         """The decoder's batch of the samples that have an image; those without one (a null
-        Parquet cell) raise, or with ``on_error="skip"`` are skipped as a bad image is."""
+        Parquet cell) or without a label (``unlabelled`` positions) raise, or with
+        ``on_error="skip"`` are skipped as a bad image is."""
         assert self.decoder is not None
         if not any(image is None for image in encoded):  # the common case
             names = _SampleNames(self.dataset.describe, indices)  # made only for an error
             return self.decoder.decode(encoded, indices=indices, epoch=epoch, names=names)
         present = [pos for pos, image in enumerate(encoded) if image is not None]
         missing = [
-            (pos, self.dataset.no_image(i)) for pos, i in enumerate(indices) if encoded[pos] is None
+            (pos, self._no_label(i) if pos in unlabelled else self.dataset.no_image(i))
+            for pos, i in enumerate(indices)
+            if encoded[pos] is None
         ]
         if self.decoder.config.on_error == "raise":
             raise DecodeError(f"{missing[0][1]}; pass on_error='skip' to leave such samples out")
@@ -412,6 +426,10 @@ def _changed_error(exc: BaseException) -> RemoteChangedError | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
+
+
+def _no_label_reason(describe: Callable[[int], str], index: int) -> str:
+    return f"sample {index} ({describe(index)}) has no label (it is null) where others have one"
 
 
 class _SampleNames(Sequence[str]):

@@ -167,7 +167,7 @@ class TarDataset(ShardedDataset):
         own = bytes if copy else memoryview
         for name, view, offset, size in zip(names, views, offsets, sizes, strict=True):
             member = f"{sample_key}.{name}"
-            if not is_header_of(view[:BLOCK], member, size):
+            if not is_header_of(view[:BLOCK], member, size, field_at=len(sample_key) + 1):
                 raise self._not_a_member(s, member, offset, size)
             sample[name] = own(view[BLOCK:])
         return sample
@@ -246,8 +246,8 @@ class TarDataset(ShardedDataset):
         if len(shard.keys) != promise.samples:
             raise DatasetError(
                 f"{url} holds {len(shard.keys)} samples but {promise.source} says "
-                f"{promise.samples}; that index is out of date: run `fastload index "
-                f"{self.store.url}` (fastload reads its own index first) or rebuild it"
+                f"{promise.samples}; that index is wrong for a shard of this size: rebuild it, "
+                f"or run `fastload index {self.store.url}` (fastload reads its own index first)"
             )
         return shard
 

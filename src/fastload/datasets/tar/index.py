@@ -58,23 +58,19 @@ class IndexFile:
         if data[:8] != _MAGIC or len(data) < 16:
             raise ValueError("it does not start like a fastload index")
         (header_bytes,) = struct.unpack_from("<Q", data, 8)
+        if header_bytes > len(data) - 16:
+            raise ValueError(f"its header of {header_bytes} bytes is longer than the file")
         self._sections = 16 + header_bytes
         header = json.loads(data[16 : self._sections])
-        if header["format"] != _INDEX_FORMAT:
-            raise ValueError(f"its format is {header['format']!r}, not {_INDEX_FORMAT!r}")
-        self.entries = {
-            str(e["name"]): _Entry(
-                size=None if e["size"] is None else int(e["size"]),
-                version=None if e["version"] is None else str(e["version"]),
-                samples=int(e["samples"]),
-                members=int(e["members"]),
-                at=int(e["at"]),
-                length=int(e["length"]),
-            )
-            for e in header["shards"]
-        }
-        if any(self._sections + e.at + e.length > len(data) for e in self.entries.values()):
-            raise ValueError("it is cut short")
+        if not isinstance(header, dict) or header.get("format") != _INDEX_FORMAT:
+            found = header.get("format") if isinstance(header, dict) else header
+            raise ValueError(f"its format is {found!r}, not {_INDEX_FORMAT!r}")
+        if not isinstance(header.get("shards"), list):
+            raise ValueError("its header has no list of shards")
+        self.entries = {}
+        for e in header["shards"]:
+            entry = _checked_entry(e, len(data) - self._sections)
+            self.entries[str(e["name"])] = entry
         self._data: bytes | None = data
         self._length = len(data)
 
@@ -108,7 +104,7 @@ class IndexFile:
         at = self._sections + entry.at
         m = entry.members
         try:
-            raw = zlib.decompress(self._bytes()[at : at + entry.length])
+            raw = _inflate(self._bytes()[at : at + entry.length], m, entry.size)
             gaps = np.frombuffer(raw, "<i8", m, 0)
             sizes = np.frombuffer(raw, "<i8", m, 8 * m)
             ends = np.frombuffer(raw, "<u4", m, 16 * m).astype(np.int64)
@@ -160,6 +156,60 @@ class IndexFile:
             at += len(section)
         header = json.dumps({"format": _INDEX_FORMAT, "shards": entries}).encode()
         return b"".join([_MAGIC, struct.pack("<Q", len(header)), header, *sections])
+
+
+def _count(e: dict[str, Any], field: str, most: int) -> int:
+    """An entry's field as an int in [0, most] (not a bool, a float or a string)."""
+    value = e[field]
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise ValueError(f"shard {e.get('name')!r} has {field} {value!r}, expected 0 to {most}")
+    return value
+
+
+def _checked_entry(e: Any, sections: int) -> _Entry:
+    """A shard's entry, every number checked against the bytes it describes: the section
+    lies within the file; a member takes a tar header (512 bytes) of the shard at least, so
+    there are no more members than the shard has blocks (or than the section can inflate to
+    at zlib's ratio), and no more samples than members."""
+    if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+        raise ValueError(f"a shard entry is {e!r}, expected an object with a name")
+    size = None if e["size"] is None else _count(e, "size", 2**62)
+    version = e["version"]
+    if version is not None and not isinstance(version, str):
+        raise ValueError(f"shard {e['name']!r} has version {version!r}, expected text")
+    at = _count(e, "at", sections)
+    length = _count(e, "length", sections - at)
+    most = (size // BLOCK) if size is not None else length * _ZLIB_RATIO // _MEMBER_BYTES
+    members = _count(e, "members", most)
+    samples = _count(e, "samples", members)
+    return _Entry(size, version, samples, members, at, length)
+
+
+# zlib inflates at most ~1032:1; a member's columns take 20 bytes before its name.
+_ZLIB_RATIO = 1032
+_MEMBER_BYTES = 20
+_MAX_NAME_BYTES = 1 << 16
+
+
+def _inflate(section: bytes, members: int, shard_size: int | None) -> bytes:
+    """A shard's section inflated to the size its header implies, never further (a section
+    that inflates past it is damaged, or hostile: 1 MB can claim 1 GB)."""
+    inflate = zlib.decompressobj()
+    head_bytes = _MEMBER_BYTES * members
+    # max_length 0 would mean "no limit": ask for one byte more than expected, at least one.
+    head = inflate.decompress(section, head_bytes or 1)
+    if len(head) != head_bytes:
+        raise ValueError(
+            f"it inflates to {len(head)} bytes where {members} members take {head_bytes}"
+        )
+    names = int(np.frombuffer(head, "<u4", 1, head_bytes - 4)[0]) if members else 0
+    most = members * _MAX_NAME_BYTES if shard_size is None else shard_size
+    if names > most:
+        raise ValueError(f"its names claim {names} bytes, more than the shard can hold")
+    body = inflate.decompress(inflate.unconsumed_tail or b"", names + 1)
+    if len(body) != names or inflate.unconsumed_tail or not inflate.eof:
+        raise ValueError(f"it does not inflate to the {head_bytes + names} bytes it claims")
+    return head + body
 
 
 def _encode_members(members: Sequence[Member]) -> bytes:

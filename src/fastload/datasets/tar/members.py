@@ -24,12 +24,13 @@ Member = tuple[str, int, int]  # name, data offset, size
 
 
 def split_name(name: str) -> tuple[str, str] | None:
-    """(sample key, field) of a member name, or None when it names no field."""
+    """(sample key, field) of a member name, or None when it names no field. The field is
+    lower-cased, as webdataset does (``IMG_1.JPG`` is field ``jpg`` of ``IMG_1``)."""
     base = name.rfind("/") + 1
     dot = name.find(".", base)
     if dot <= base or dot == len(name) - 1:
         return None  # no dot, a hidden file (macOS "._x" files), or an empty field
-    return name[:dot], name[dot + 1 :]
+    return name[:dot], name[dot + 1 :].lower()
 
 
 def count_samples(members: Iterable[Member]) -> int:
@@ -37,10 +38,14 @@ def count_samples(members: Iterable[Member]) -> int:
     return len({split[0] for name, _, _ in members if (split := split_name(name)) is not None})
 
 
-def is_header_of(block: bytes | memoryview, name: str, size: int) -> bool:
+def is_header_of(
+    block: bytes | memoryview, name: str, size: int, *, field_at: int | None = None
+) -> bool:
     """Whether block, the 512 bytes before a member's data, is the tar header of a regular
     file of that name and size. A long or non-ASCII name lives in a pax or GNU header
-    before this one, which then holds its first 100 bytes (or an ASCII stand-in)."""
+    before this one, which then holds its first 100 bytes (or an ASCII stand-in).
+    ``field_at``: where the (lower-cased) field starts in name; the stored name's field
+    may be in any case there."""
     block = bytes(block)
     if len(block) != BLOCK or block[257:262] != b"ustar" or block[156:157] not in b"\x0007":
         return False
@@ -57,8 +62,13 @@ def is_header_of(block: bytes | memoryview, name: str, size: int) -> bool:
     prefix = block[345:500].split(b"\0", 1)[0] if block[257:263] == b"ustar\0" else b""
     full = prefix + b"/" + stored_name if prefix else stored_name
     truncated = b"\0" not in block[:100]
-    for encoded in (name.encode("utf-8", "surrogateescape"), name.encode("ascii", "replace")):
-        if full == encoded or (truncated and encoded.startswith(stored_name)):
+    for text, wanted in (
+        (full.decode("utf-8", "surrogateescape"), name),
+        (full.decode("ascii", "replace"), name.encode("ascii", "replace").decode()),
+    ):
+        if field_at is not None:
+            text = text[:field_at] + text[field_at:].lower()
+        if text == wanted or (truncated and wanted.startswith(text)):
             return True
     return False
 

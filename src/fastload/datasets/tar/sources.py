@@ -34,7 +34,7 @@ from fastload.datasets.base import (
     keys_ending,
 )
 from fastload.datasets.tar.index import INDEX_NAME, IndexFile, index_path, write_atomically
-from fastload.datasets.tar.members import SCAN_READ_BYTES, Member, scan_tar
+from fastload.datasets.tar.members import BLOCK, SCAN_READ_BYTES, Member, count_samples, scan_tar
 from fastload.store import CachedStore
 
 log = logging.getLogger("fastload.datasets.tar")
@@ -84,6 +84,8 @@ def promised_shards(store: CachedStore, shard_keys: list[str]) -> dict[str, _Pro
             obj = store.object(key)
             entry = index.current(key, obj.size, obj.version)
             if entry is not None:
+                if entry.samples == 0 and entry.members:  # checked now: never read later
+                    _check_empty(index, key, store.object_url(key))
                 promised[key] = _Promise(entry.samples, index, key, index.source)
         left = len(shard_keys) - len(promised)
         if left:
@@ -99,12 +101,26 @@ def promised_shards(store: CachedStore, shard_keys: list[str]) -> dict[str, _Pro
     for key in shard_keys:
         if key not in promised and (cached := _cached_index(store, key)) is not None:
             url = store.object_url(key)
-            promised[key] = _Promise(cached.entries[url].samples, cached, url, cached.source)
+            entry = cached.entries[url]
+            if entry.samples == 0 and entry.members:
+                _check_empty(cached, url, url)
+            promised[key] = _Promise(entry.samples, cached, url, cached.source)
     if WIDS_INDEX_NAME in listed:
         counts = _wids_counts(store, [k for k in shard_keys if k not in promised])
         source = store.object_url(WIDS_INDEX_NAME)
         promised.update((k, _Promise(n, None, k, source)) for k, n in counts.items())
     return promised
+
+
+def _check_empty(index: IndexFile, name: str, url: str) -> None:
+    """A shard an index says holds no samples is never read: its members (a section of the
+    index) must say so too, or the shard's samples would be dropped without a word."""
+    found = count_samples(index.members(name, url))
+    if found:
+        raise DatasetError(
+            f"{url}: {index.source} says it holds no samples but lists members of {found}; "
+            "the index is damaged: run `fastload index` on the dataset again"
+        )
 
 
 def _dataset_index(store: CachedStore) -> IndexFile:
@@ -152,9 +168,12 @@ def _wids_counts(store: CachedStore, keys: list[str]) -> dict[str, int]:
             size = store.object(key).size
             if shard is None or shard.get("filesize", size) != size:
                 continue  # not in it, or changed since: indexed from the shard
-            counts[key] = int(shard["nsamples"])
-            if counts[key] < 0:
-                raise ValueError(f"nsamples of {key} is {counts[key]}")
+            n = shard["nsamples"]
+            most = (size // BLOCK) if size is not None else 1 << 40  # a sample: a member
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= most:
+                raise ValueError(f"nsamples of {key} is {n!r}, expected a count to {most}")
+            if n > 0:  # a shard said to be empty is read at open: never dropped unread
+                counts[key] = n
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("fastload: ignoring %s, which is not a wids shard index: %s", source, exc)
         return {}

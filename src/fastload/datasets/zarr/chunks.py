@@ -9,6 +9,7 @@ import importlib
 import itertools
 import json
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -92,6 +93,11 @@ class ZarrArray:
     shard: ShardSpec | None = None
 
     @property
+    def chunk_nbytes(self) -> int:
+        """The bytes one decoded chunk holds."""
+        return math.prod(self.chunks) * self.stored_dtype.itemsize
+
+    @property
     def rows_per_chunk(self) -> int:
         return self.chunks[0]
 
@@ -122,11 +128,17 @@ class ZarrArray:
         ]
 
     def decode(self, raw: bytes, where: str) -> Array:
-        """A chunk's bytes as an array of ``chunks`` shape in ``dtype`` (read-only)."""
+        """A chunk's bytes as an array of ``chunks`` shape in ``dtype`` (read-only).
+
+        No step inflates past what the chunk can hold: the last codec (the compressor, in
+        decoding order the first) gives exactly the chunk's bytes, an earlier one at most
+        a few times that (a filter's dtype may differ)."""
         data: Any = raw
-        for config in self.codecs:
+        nbytes = self.chunk_nbytes
+        for step, config in enumerate(self.codecs):
+            most = nbytes if step == len(self.codecs) - 1 else 8 * nbytes + (1 << 16)
             try:
-                data = _codec(config).decode(data)
+                data = _bounded_decode(config, data, most)
             except ImportError:
                 raise
             except Exception as e:
@@ -157,6 +169,43 @@ class ZarrArray:
             chunk = chunk.astype(self.dtype)
         chunk.setflags(write=False)
         return chunk
+
+
+# Gzip and zlib decoded here, with a bound; others' headers checked first where they say.
+_WBITS = {"gzip": 16 + 15, "zlib": 15}
+
+
+def _bounded_decode(config: str, data: Any, most: int) -> Any:
+    """One codec's decode, refusing output past ``most`` bytes before it is made."""
+    codec_id = json.loads(config)["id"]
+    if codec_id in _WBITS:
+        inflate = zlib.decompressobj(_WBITS[codec_id])
+        out = inflate.decompress(bytes(data), most + 1)
+        if len(out) > most or inflate.unconsumed_tail:
+            raise ValueError(f"it inflates past the chunk's {most} bytes")
+        if not inflate.eof:
+            raise ValueError("the compressed stream is cut short")
+        return out
+    claimed = _claimed_size(codec_id, bytes(data[:18]) if len(data) >= 18 else bytes(data))
+    if claimed is not None and claimed > most:
+        raise ValueError(f"its header claims {claimed} bytes, more than the chunk's {most}")
+    return _codec(config).decode(data)
+
+
+def _claimed_size(codec_id: str, head: bytes) -> int | None:
+    """The decoded size a blosc or zstd frame's header claims (None where it says none)."""
+    if codec_id == "blosc" and len(head) >= 16:
+        return int.from_bytes(head[4:8], "little")  # nbytes, after version and flags
+    if codec_id == "zstd" and len(head) >= 6 and head[:4] == b"\x28\xb5\x2f\xfd":
+        descriptor = head[4]
+        single = (descriptor >> 5) & 1
+        at = 5 + (0 if single else 1) + (0, 1, 2, 4)[descriptor & 3]
+        width = (single, 2, 4, 8)[descriptor >> 6]
+        if not width or len(head) < at + width:
+            return None
+        size = int.from_bytes(head[at : at + width], "little")
+        return size + 256 if width == 2 else size
+    return None
 
 
 class DecodedChunkCache(ProcessLRU[tuple[str, int], Array]):

@@ -35,11 +35,13 @@ transformers, codecs it does not know) is read through zarr-python 3 over the sa
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 
+from fastload.datasets.base import DatasetError
 from fastload.datasets.zarr.chunks import (
     DEFAULT_CHUNK_CACHE_BYTES,
     ENTRY_OVERHEAD_BYTES,
@@ -86,6 +88,8 @@ class ZarrDataset(ShardedReads):
         keys = store.object_keys()
         self._existing = frozenset(keys)
         self.is_group, self.arrays = open_root(store, self._existing, arrays)
+        for a in self.arrays.values():
+            _check_extent(store.url, a, self._existing)
         primary = next(iter(self.arrays.values()))
         self.zarr_format = primary.zarr_format
         n, per = primary.shape[0], primary.rows_per_object
@@ -197,3 +201,30 @@ class ZarrDataset(ShardedReads):
         if key not in self._existing:
             return None  # never written: the fill value
         return a.decode(self.store.read(key), f"{self.store.url}/{key}")
+
+
+# An array may leave chunks unwritten (they read as its fill value), but the work of opening
+# it (a shard per object-row, a key per object) follows its claimed shape: that shape may
+# claim at most this many objects per object listed under the array (plus a small margin).
+_CLAIMED_PER_LISTED = 16
+_CLAIMED_MARGIN = 4096
+
+
+def _check_extent(url: str, a: ZarrArray | ZarrPythonArray, existing: frozenset[str]) -> None:
+    """Refuses a shape that claims far more chunk (or shard) objects than the listing holds
+    for the array (a 550-byte zarr.json can claim 1e9 rows): work stays proportional to the
+    objects that exist."""
+    outer = a.shard.shape if isinstance(a, ZarrArray) and a.shard is not None else None
+    if outer is None:
+        outer = a.chunks if isinstance(a, ZarrArray) else a._outer
+    claimed = math.prod(math.ceil(s / c) for s, c in zip(a.shape, outer, strict=True))
+    prefix = f"{a.name}/" if a.name else ""
+    listed = sum(1 for k in existing if k.startswith(prefix))
+    if claimed > _CLAIMED_PER_LISTED * listed + _CLAIMED_MARGIN:
+        where = f"{url}/{prefix}{'zarr.json' if a.zarr_format == 3 else '.zarray'}"
+        raise DatasetError(
+            f"{where}: shape {a.shape} in objects of {tuple(outer)} claims {claimed} chunk "
+            f"objects, but the listing holds {listed} under the array; the shape is wrong, or "
+            "the array is almost all unwritten (fill value): rewrite its metadata, or open "
+            "the dataset with refresh=True if it was being written"
+        )

@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from fastload.datasets.base import DatasetError
 from fastload.datasets.zarr.chunks import Array
+from fastload.errors import FastloadError
 from fastload.store import CachedStore
 
 
@@ -62,4 +64,13 @@ class ZarrPythonArray:
         return [prefix + encode((row, *rest)) for rest in itertools.product(*map(range, grid))]
 
     def read(self, start: int, stop: int) -> Array:
-        return np.asarray(self.zarr_array[start:stop])
+        try:
+            return np.asarray(self.zarr_array[start:stop])
+        except (ImportError, FastloadError):
+            raise
+        except Exception as e:  # a chunk zarr-python cannot decode: name the array
+            raise DatasetError(
+                f"{self._store.url}/{self.name}: zarr-python cannot read rows [{start}, "
+                f"{stop}) ({type(e).__name__}: {e}); a chunk is damaged or does not match the "
+                "metadata: rewrite it, or open the dataset with refresh=True if it changed"
+            ) from e

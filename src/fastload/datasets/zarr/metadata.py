@@ -119,12 +119,20 @@ def _array(
             raise DatasetError(
                 f"{e}; zarr-python 3 reads it through fastload's cache: pip install zarr"
             ) from e
-        return ZarrPythonArray(
-            name=name,
-            store=store,
-            existing=existing,
-            reason=f"{e.why} are not read by fastload's own reader",
-        )
+        try:
+            return ZarrPythonArray(
+                name=name,
+                store=store,
+                existing=existing,
+                reason=f"{e.why} are not read by fastload's own reader",
+            )
+        except (ImportError, DatasetError):
+            raise
+        except Exception as z:  # zarr-python's own refusal: name the file, say what to do
+            raise DatasetError(
+                f"{e}; zarr-python cannot open it either ({type(z).__name__}: {z}): rewrite "
+                "the array's metadata"
+            ) from z
 
 
 def _child_nodes(existing: frozenset[str]) -> list[str]:
@@ -171,18 +179,45 @@ def _read_json(store: CachedStore, key: str) -> dict[str, Any]:
 def _parse_array(url: str, name: str, meta: dict[str, Any]) -> ZarrArray:
     where = f"{url}/{meta['_prefix']}{'zarr.json' if meta.get('zarr_format') == 3 else '.zarray'}"
     try:
-        if meta.get("zarr_format") == 3:
-            return _parse_v3(where, name, meta)
-        return _parse_v2(where, name, meta)
-    except (KeyError, TypeError, ValueError) as e:
+        array = _parse_v3(where, name, meta) if meta.get("zarr_format") == 3 else None
+        array = _parse_v2(where, name, meta) if array is None else array
+        if array.chunk_nbytes > _MAX_CHUNK_BYTES:
+            raise DatasetError(
+                f"{where}: chunks {array.chunks} of {array.stored_dtype} take "
+                f"{array.chunk_nbytes} bytes each, more than fastload decodes at once "
+                f"({_MAX_CHUNK_BYTES}); rewrite the array with smaller chunks"
+            )
+        return array
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError, IndexError) as e:
         if isinstance(e, DatasetError):
             raise
         raise DatasetError(f"{where} is malformed ({type(e).__name__}: {e}); rewrite it") from e
 
 
+# One decoded chunk (an inner chunk, for a sharded array) at most; a shape's axis at most.
+_MAX_CHUNK_BYTES = 4 << 30
+_MAX_EXTENT = 1 << 48
+
+
+def _integers(where: str, what: str, values: Any) -> tuple[int, ...]:
+    """A list of JSON integers (not floats, bools or strings: 1e9 is not a row count)."""
+    if not isinstance(values, list | tuple) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
+        raise DatasetError(f"{where}: {what} is {values!r}, expected a list of integers")
+    return tuple(values)
+
+
 def _shape(where: str, shape: Any, chunks: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    shape, chunks = tuple(int(s) for s in shape), tuple(int(c) for c in chunks)
-    if len(shape) != len(chunks) or any(s < 0 for s in shape) or any(c <= 0 for c in chunks):
+    shape, chunks = _integers(where, "shape", shape), _integers(where, "chunks", chunks)
+    if any(not 0 <= s <= _MAX_EXTENT for s in shape) or any(
+        not 0 < c <= _MAX_EXTENT for c in chunks
+    ):
+        raise DatasetError(
+            f"{where}: shape {shape} and chunks {chunks} must be 0 to {_MAX_EXTENT} per axis "
+            "(chunks above 0); rewrite the metadata"
+        )
+    if len(shape) != len(chunks):
         raise DatasetError(
             f"{where}: shape {shape} and chunks {chunks} do not fit; expected one chunk length "
             "> 0 per axis"
@@ -218,6 +253,8 @@ def _parse_v2(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
         codecs.append(meta["compressor"])
     codecs += reversed(meta.get("filters") or [])  # filters were applied before compressing
     separator = meta.get("dimension_separator") or "."
+    if separator not in (".", "/"):
+        raise DatasetError(f"{where}: dimension_separator {separator!r}, expected '.' or '/'")
     dtype = _native(stored)
     return ZarrArray(
         name=name,
@@ -266,6 +303,8 @@ def _parse_v3(where: str, name: str, meta: dict[str, Any]) -> ZarrArray:
     separator = (encoding.get("configuration") or {}).get(
         "separator", "/" if encoding["name"] == "default" else "."
     )
+    if separator not in (".", "/"):
+        raise DatasetError(f"{where}: chunk key separator {separator!r}, expected '.' or '/'")
     if encoding["name"] == "default":
         key_prefix = meta["_prefix"] + "c" + separator
     elif encoding["name"] == "v2":

@@ -55,6 +55,10 @@ class CachedZarrStore(Store):
     # --- reads -------------------------------------------------------------------------------
 
     def _read(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
+        if byte_range is not None and not isinstance(
+            byte_range, RangeByteRequest | OffsetByteRequest | SuffixByteRequest
+        ):  # zarr's own stores say so in these words (its store tests match them)
+            raise TypeError(f"Unexpected byte_range, got {byte_range!r}")
         if key not in self._keys:
             return None
         if byte_range is None:
@@ -70,8 +74,13 @@ class CachedZarrStore(Store):
             if size is None:  # no size in the listing: the whole object, then its tail
                 return self.store.read(key)[-byte_range.suffix :]
             start, stop = max(0, size - byte_range.suffix), size
+        if start < 0 or (stop is not None and stop < start):
+            raise ValueError(f"Unexpected byte_range, got {byte_range!r}: {key} starts at 0")
         if stop is None:
             return self.store.read(key)[start:]
+        if size is not None:
+            stop = min(stop, size)  # a range past the end reads to the end, as zarr's do
+            start = min(start, stop)
         return self.store.read_range(key, start, max(0, stop - start))
 
     async def get(
