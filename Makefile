@@ -41,7 +41,7 @@ lint: install
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
-	cd src && ../$(BIN)/lint-imports --no-cache --config ../pyproject.toml
+	cd src && ../$(BIN)/lint-imports --no-cache ../pyproject.toml
 	$(BIN)/clang-format --dry-run --Werror $(NATIVE_SOURCES)
 
 format: install
