@@ -14,10 +14,10 @@ import fsspec
 
 from fastload.errors import RemoteError
 from fastload.remote.connect import transport_for
-from fastload.remote.errors import with_retries
+from fastload.remote.errors import classify, with_retries
 from fastload.remote.hub import is_hf, list_hub
 from fastload.remote.listing import Listing
-from fastload.remote.scrub import public_url
+from fastload.remote.scrub import clean_cause, public_url
 from fastload.remote.urls import is_http, key_of, open_filesystem, remote_url
 
 _VERSION_FIELDS = (
@@ -103,8 +103,13 @@ def list_remote(
         columns = with_retries(lambda: list_hub(fs, root, counter), shown)
     elif not is_http(fs):
         # Its pages retry themselves (remote/obstore.py): a failure here is final, and
-        # retrying it would list the whole bucket again.
-        columns = transport.list_columns(root, counter)
+        # retrying it would list the whole bucket again; it is said as any remote's is.
+        try:
+            columns = transport.list_columns(root, counter)
+        except RemoteError:
+            raise
+        except Exception as exc:
+            raise classify(exc, shown) from clean_cause(exc)
     if columns is not None and len(columns):
         if counter is not None:
             counter.done(len(columns))
