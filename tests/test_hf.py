@@ -21,8 +21,9 @@ pytest.importorskip("huggingface_hub")
 import fastload as fl
 from fastload.datasets import open_dataset
 from fastload.manifest import load_manifest
+from fastload.remote import throttle
 from fastload.sampler import ShardedSampler
-from fastload.staging import FetchConfig, throttle
+from fastload.staging import FetchConfig
 from fastload.testing import HubServerProcess
 from fastload.warm import NodeShare
 
