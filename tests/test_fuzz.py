@@ -35,6 +35,9 @@ from hypothesis import strategies as st
 
 ADDRESS_SPACE_BYTES = 2 << 30
 TIMEOUT_S = 10.0
+# One worker process parses every example of the module (its module fixture ends it), so a
+# test leaves it running on purpose.
+pytestmark = pytest.mark.leaves_processes("one fuzz worker serves every test of the module")
 EXAMPLES = 300
 SETTINGS = settings(
     max_examples=EXAMPLES,
