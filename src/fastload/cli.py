@@ -113,20 +113,20 @@ def _warm(args: argparse.Namespace) -> int:
 
     if (args.url is None) == (args.from_state is None):
         raise UsageError("give the dataset's URL, or --from-state STATE (one of them)")
+    settings: dict[str, Any] = {  # how to stage, whichever way the share is named
+        "cache_dir": args.cache_dir,
+        "jobs": args.jobs,
+        "max_bytes": args.max_bytes,
+        "policy": args.policy,
+        "dry_run": args.dry_run,
+        "progress": None if not args.json else False,
+    }
     if args.from_state is not None:
         if args.epochs is not None or args.format is not None:
             raise UsageError("--from-state takes the epoch and format from the state")
         try:
             report = warm_from_state(
-                args.from_state,
-                ranks=args.rank,
-                world_size=args.world_size,
-                cache_dir=args.cache_dir,
-                jobs=args.jobs,
-                max_bytes=args.max_bytes,
-                policy=args.policy,
-                dry_run=args.dry_run,
-                progress=None if not args.json else False,
+                args.from_state, ranks=args.rank, world_size=args.world_size, **settings
             )
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -151,15 +151,10 @@ def _warm(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
     report = warm(
         args.url,
-        cache_dir=args.cache_dir,
-        jobs=args.jobs,
-        max_bytes=args.max_bytes,
-        policy=args.policy,
         refresh=args.refresh,
-        dry_run=args.dry_run,
-        progress=None if not args.json else False,
         share=share,
         format=args.format if share is None else None,
+        **settings,
     )
     return _print_warm(report, args)
 
