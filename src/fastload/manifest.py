@@ -33,6 +33,7 @@ import json
 import logging
 import mmap
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -50,7 +51,7 @@ from fastload.remote import public_url
 from fastload.remote.crawl import list_remote
 from fastload.remote.listing import ENCODING as _ENCODING
 from fastload.remote.listing import Listing
-from fastload.safe_files import own_folder, unsafe, write_atomically
+from fastload.safe_files import open_exclusive, own_folder, unsafe, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -615,18 +616,27 @@ class _ListingLock:
 def save_snapshot(manifest: Manifest, directory: Path) -> dict[str, str]:
     """manifest saved into directory as ``manifest-<digest>.flm`` (beside a checkpoint, for a
     restart that must not list the remote again); returns ``{"file": name, "sha256": ...}``
-    for the state to name it by. Saving the same listing again writes nothing."""
-    directory.mkdir(parents=True, exist_ok=True)
-    staged = directory / f".manifest.{os.getpid()}.tmp.flm"
-    if manifest.path is not None and manifest.path.exists():
-        shutil.copyfile(manifest.path, staged)
-    else:  # an in-memory listing; saving it must not repoint the one the dataset maps
-        mapped = manifest.path
-        manifest.save(staged)
-        manifest.path = mapped
-    digest = hashlib.sha256(staged.read_bytes()).hexdigest()
-    name = f"manifest-{digest[:24]}.flm"
-    os.replace(staged, directory / name)
+    for the state to name it by. The same listing saved again gives the same file."""
+    own_folder(directory)
+    staged = directory / f".manifest.{os.getpid()}.{secrets.token_hex(6)}.tmp.flm"
+    try:
+        if manifest.path is not None and manifest.path.exists():
+            with (
+                open(manifest.path, "rb") as src,
+                os.fdopen(open_exclusive(str(staged)), "wb") as out,
+            ):
+                shutil.copyfileobj(src, out, 1 << 20)
+        else:  # an in-memory listing; saving it must not repoint the one the dataset maps
+            mapped = manifest.path
+            manifest.save(staged)
+            manifest.path = mapped
+        with open(staged, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()  # streamed, not loaded whole
+        name = f"manifest-{digest[:24]}.flm"
+        os.replace(staged, directory / name)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
     return {"file": name, "sha256": digest}
 
 

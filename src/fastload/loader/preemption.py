@@ -21,23 +21,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from fastload.safe_files import write_atomically
+
 Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """data as path's whole content, never half written: a new file beside it, created
-    exclusively (a planted link is not followed), fsynced, renamed over path."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 class PreemptionHandler:
@@ -72,7 +58,7 @@ class PreemptionHandler:
     def write(self) -> None:
         state = self._state()
         if state is not None:  # None: the loader is gone, and so is what it would say
-            write_atomically(self.path, json.dumps(state).encode())
+            write_atomically(self.path, json.dumps(state).encode(), fsync=True)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.write()
