@@ -39,6 +39,12 @@ DALI decoder on the CPU, slicing fastload's own crop boxes) and ``DALI's own CPU
 as DALI's users write it). DataLoader workers start from a forkserver, not forked from this
 process (whose other systems' threads may be running).
 
+Where ``spdl`` and FFmpeg's libraries are installed, ``SPDL pipeline, FFmpeg decode``:
+SPDL's thread pipeline as its documentation writes image loading (``demux_image`` +
+``decode_packets`` with the preset's geometry as an FFmpeg filter, ``convert_frames``,
+normalized as a batch; :mod:`fastload.bench.peers.spdl_peer` cites the pages), and
+``SPDL (FFmpeg)`` among the decoders alone.
+
 A third case times the JPEG decoders alone on one thread, over 500 of the files in memory
 (ratios to Pillow): Pillow, Pillow with ``draft()`` at 1/2, simplejpeg, simplejpeg at 1/2,
 and, where ``opencv-python-headless`` is installed, ``cv2.imdecode`` full and
@@ -51,6 +57,7 @@ Command (full size: 3,000 images, median of 3)::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import io
@@ -69,7 +76,9 @@ import torch
 import torch.nn.functional as F
 import torch.utils.data
 
+from fastload.bench.peers import spdl_peer
 from fastload.bench.peers.peer_decoders import TorchOps, dali_train_ops
+from fastload.bench.peers.spdl_peer import SPDLImages
 from fastload.bench.runner import Measurement, Report, relate
 from fastload.decode.base import DecodeConfig, Decoder
 from fastload.decode.cpu import CPUDecoder, decode_rgb
@@ -349,6 +358,38 @@ def _dali_own_pipeline(work: Workload) -> Iterator[EpochFn]:
     yield epoch
 
 
+@contextmanager
+def _spdl_pipeline(work: Workload) -> Iterator[EpochFn]:
+    """SPDL as its documentation writes image loading (``spdl_peer``'s decode and batching,
+    which cite the pages): its pipeline over the files, ``workers`` decode threads,
+    ``demux_image(path)`` + ``decode_packets`` with the preset's geometry in FFmpeg's filter,
+    ``convert_frames`` + ``to_torch``, normalized as a batch."""
+    builder_mod: Any = importlib.import_module("spdl.pipeline")
+    images = SPDLImages(work.preset, seed=0)
+    paths = [str(p) for p in work.paths]
+
+    def decode(i: int) -> Any:
+        return images.decode(paths[i])
+
+    def epoch(e: int) -> int:
+        pipeline = (
+            builder_mod.PipelineBuilder()
+            .add_source(range(len(paths)))
+            .pipe(decode, concurrency=work.workers, output_order="input")
+            .aggregate(work.batch_size)
+            .pipe(images.collate)
+            .add_sink(spdl_peer.BUFFER_SIZE)
+            .build(num_threads=work.workers)
+        )
+        done = 0
+        with pipeline.auto_stop():
+            for batch in pipeline:
+                done += len(batch)
+        return done
+
+    yield epoch
+
+
 def systems() -> list[System]:
     """Every system measured, fastload first; a peer joins by appending here."""
     found = [
@@ -365,7 +406,17 @@ def systems() -> list[System]:
             System("fastload DALI backend, CPU graph", _fastload_dali, "image_slice of our boxes"),
             System("DALI's own CPU pipeline", _dali_own_pipeline, "readers.file + its random crop"),
         ]
+    if not _spdl_missing():
+        found.append(System(SPDL_SYSTEM, _spdl_pipeline, "FFmpeg decode + filter, threads"))
     return found
+
+
+SPDL_SYSTEM = "SPDL pipeline, FFmpeg decode"
+
+
+@functools.cache
+def _spdl_missing() -> str:
+    return spdl_peer.spdl_missing()
 
 
 # --- run --------------------------------------------------------------------------------------
@@ -458,6 +509,8 @@ def decoders() -> dict[str, Callable[[bytes], object]]:
         "simplejpeg": decode_rgb,
         "simplejpeg 1/2": lambda d: decode_rgb(d, 2),
     }
+    if not _spdl_missing():
+        found["SPDL (FFmpeg)"] = _spdl_rgb
     try:
         cv2: Any = importlib.import_module("cv2")
     except ImportError:
@@ -476,6 +529,15 @@ def decoders() -> dict[str, Callable[[bytes], object]]:
     found["OpenCV"] = lambda d: opencv(d, cv2.IMREAD_COLOR)
     found["OpenCV IMREAD_REDUCED 1/2"] = lambda d: opencv(d, cv2.IMREAD_REDUCED_COLOR_2)
     return found
+
+
+def _spdl_rgb(data: bytes) -> object:
+    """SPDL's image decode to RGB pixels (FFmpeg's decoder, its rgb24 conversion)."""
+    spdl_io: Any = importlib.import_module("spdl.io")
+    frames = spdl_io.decode_packets(
+        spdl_io.demux_image(data), filter_desc=spdl_io.get_video_filter_desc(pix_fmt="rgb24")
+    )
+    return spdl_io.to_numpy(spdl_io.convert_frames(frames))
 
 
 def _measure_decoders(paths: Sequence[Path], repeats: int) -> list[Measurement]:

