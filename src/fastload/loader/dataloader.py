@@ -389,8 +389,16 @@ class DataLoader(tud.DataLoader[Any]):
     def _batch_builder(self) -> BatchBuilder:
         if self._builder is None:
             assert isinstance(self.dataset, ShardedDataset)
+            into_slots = False
             if self.decode is not None:
+                from fastload.loader.ring import decodes_into_slots
+
                 target = "cpu" if self.device is None else str(self.device)
+                into_slots = decodes_into_slots(
+                    self.decode, self.transform, self.device, through_ring=self._moves_to_device()
+                )
+                if into_slots:  # decoded on the host into the ring's pinned slots
+                    target = "cpu"
                 self._decoder = make_decoder(
                     self.decode,  # type: ignore[arg-type]
                     transform=self.transform,
@@ -400,6 +408,8 @@ class DataLoader(tud.DataLoader[Any]):
                     num_threads=max(1, self.num_workers),
                 )
                 self._stats.set_info("decode_backend", self._decoder.backend)
+                if into_slots:
+                    self._decoder.write_into(self._device_ring().empty)  # type: ignore[attr-defined]
             self._builder = BatchBuilder(
                 self.dataset,
                 collate_fn=self.collate_fn,

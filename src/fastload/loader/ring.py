@@ -61,7 +61,15 @@ import torch
 from fastload.errors import FastloadError
 from fastload.reader import aligned_empty
 
-__all__ = ["CudaEngine", "DeviceRing", "HostEngine", "RingClosedError", "RingTimeoutError", "Transfer"]
+__all__ = [
+    "CudaEngine",
+    "DeviceRing",
+    "HostEngine",
+    "RingClosedError",
+    "RingTimeoutError",
+    "Transfer",
+    "decodes_into_slots",
+]
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +268,22 @@ class HostEngine:
 
     def consumer_waits(self, event: Any, buffer: torch.Tensor) -> None:
         pass
+
+
+def decodes_into_slots(
+    decode: str, transform: Any, device: torch.device | None, *, through_ring: bool
+) -> bool:
+    """Whether a loader's CPU decoder writes its batches on the host straight into the ring's
+    slots (pinned on CUDA: one copy per batch, no pack) rather than into its own buffers, or
+    transforming on the GPU: a preset (a batch tensor of known shape) on fastload's CPU
+    backend, for batches that go through the ring."""
+    from fastload.decode import choose_backend
+    from fastload.decode.params import EvalPreset, TrainPreset
+
+    if device is None or not through_ring or not isinstance(transform, TrainPreset | EvalPreset):
+        return False
+    backend, _ = choose_backend(decode, str(device))  # type: ignore[arg-type]
+    return backend == "cpu"
 
 
 def _resolve(device: str | torch.device) -> torch.device:
