@@ -1,0 +1,57 @@
+"""The multi-rank GPU harness, run on the CPU: N rank processes as torchrun starts them, each
+its own loader on its share, timed together; per-rank images/s and cores per device."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastload.bench.gpu import ranks
+from fastload.bench.gpu.images import generate
+
+
+@pytest.mark.slow
+def test_one_and_two_ranks_run_as_torchrun_starts_them_and_report_per_rank(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    generate(data, 24, threads=2)
+    config = ranks.RankConfig(
+        data=str(data),
+        cache_dir=str(tmp_path / "cache"),
+        device="cpu",
+        decode="cpu",
+        batch_size=4,
+        size=32,
+        batches=3,
+        threads=1,
+    )
+    for n in (1, 2):
+        node = ranks.run_node(config, n, tmp_path)
+        assert node["ranks"] == n
+        assert sorted(r["rank"] for r in node["per_rank"]) == list(range(n))
+        assert all(r["images"] == 12 and r["images_per_s"] > 0 for r in node["per_rank"])
+        assert all(r["threads"] == 1 and r["decode_backend"] == "cpu" for r in node["per_rank"])
+        assert node["gpus"] == 1  # the host stands for the device
+        assert node["cores_per_gpu"] == pytest.approx(node["cores_used"])
+        assert len(node["per_rank_images_per_s"]) == n
+
+
+def test_a_failing_rank_is_named_with_its_error(tmp_path: Path) -> None:
+    config = ranks.RankConfig(data=str(tmp_path / "missing"), cache_dir=str(tmp_path / "c"), device="cpu")
+    with pytest.raises(RuntimeError, match="rank 0 exited"):
+        ranks.run_node(config, 1, tmp_path)
+
+
+def test_n_is_a_rank_per_gpu_and_at_least_two() -> None:
+    assert ranks.default_ranks("cpu") == 2
+    assert ranks.default_ranks("cuda") >= 2
+
+
+def test_the_command_needs_its_data(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "fastload.bench.gpu.ranks"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "--data and --out are required" in done.stderr
