@@ -92,7 +92,7 @@ def test_a_lone_batch_is_padded_for_dalis_first_prefetching_run() -> None:
 
 
 def test_a_failed_run_fails_the_runs_queued_behind_it_and_a_fresh_pipeline_follows() -> None:
-    feeder, log, gate = recording_feeder(depth=2)
+    feeder, _, gate = recording_feeder(depth=2)
     futures = [feeder.submit({"encoded": np.array([k])}) for k in (1, -1, 2, 3)]
     gate.set()
     assert futures[0].result(10).value == 10

@@ -39,7 +39,9 @@ def test_one_and_two_ranks_run_as_torchrun_starts_them_and_report_per_rank(tmp_p
 
 
 def test_a_failing_rank_is_named_with_its_error(tmp_path: Path) -> None:
-    config = ranks.RankConfig(data=str(tmp_path / "missing"), cache_dir=str(tmp_path / "c"), device="cpu")
+    config = ranks.RankConfig(
+        data=str(tmp_path / "missing"), cache_dir=str(tmp_path / "c"), device="cpu"
+    )
     with pytest.raises(RuntimeError, match="rank 0 exited"):
         ranks.run_node(config, 1, tmp_path)
 
@@ -55,3 +57,40 @@ def test_the_command_needs_its_data(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "--data and --out are required" in done.stderr
+
+
+def test_the_doctor_figures_are_read_from_its_json() -> None:
+    from fastload.bench.gpu.doctor_check import summarize_doctor
+
+    report = {
+        "phases": {"h2d": {"step_s": 0.004}, "train": {"samples_per_s": 900.0}},
+        "fixes": [{"name": "dali", "predicted_samples_per_s": 12000.0}],
+        "applied": {"predicted_samples_per_s": 12000.0, "measured_samples_per_s": 11000.0},
+    }
+    assert summarize_doctor(report) == {
+        "h2d ms": 4.0,
+        "img/s": 900.0,
+        "DALI probe img/s": 12000.0,
+        "apply predicted": 12000.0,
+        "apply measured": 11000.0,
+    }
+
+
+@pytest.mark.slow
+def test_the_check_runs_fastload_doctor_as_a_user_does(tmp_path: Path) -> None:
+    """The doctor section's command line, on the CPU (the check itself passes cuda)."""
+    import json
+
+    from fastload.bench.gpu.config import GpuCheckConfig
+    from fastload.bench.gpu.doctor_check import doctor_command, summarize_doctor
+
+    generate(tmp_path / "data", 32, threads=2)
+    command = doctor_command(
+        tmp_path / "data", tmp_path / "out", GpuCheckConfig.quick(threads=2), ["--step-ms", "20"]
+    )
+    command[command.index("--device") + 1] = "cpu"
+    command[command.index("--batch-size") + 1] = "8"
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    figures = summarize_doctor(json.loads(done.stdout))
+    assert figures["img/s"] > 0

@@ -40,7 +40,7 @@ def test_cpu_decoded_batches_are_written_into_the_rings_slots_and_held_ones_stay
         ring_slots=2,
     )
     held = []
-    for epoch in range(2):  # 30 batches; the first 10 held (not copied) while the rest pass
+    for _ in range(2):  # 30 batches, every one held (not copied) while the rest pass
         for images, labels in loader:
             held.append((images, labels))
     stats = loader.stats()
@@ -53,15 +53,15 @@ def test_cpu_decoded_batches_are_written_into_the_rings_slots_and_held_ones_stay
         images = torch.cat([images for images, _ in part])
         labels = torch.cat([labels for _, labels in part])
         assert labels.tolist() == [label_of(dataset, i) for i in order]
-        assert torch.equal(images, direct_decode(dataset, order, preset=preset, seed=seed, epoch=epoch))
+        assert torch.equal(
+            images, direct_decode(dataset, order, preset=preset, seed=seed, epoch=epoch)
+        )
 
 
 # -- on a CUDA device -----------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-dali_warning = pytest.mark.filterwarnings(
-    "ignore:nvidia-dali-cuda.* is no longer shipped:Warning"
-)
+dali_warning = pytest.mark.filterwarnings("ignore:nvidia-dali-cuda.* is no longer shipped:Warning")
 
 
 def cuda_loader(dataset: Any, decode: str, preset: Any, seed: int = 3) -> Any:
@@ -140,7 +140,7 @@ def test_on_cuda_the_steady_state_never_synchronizes_the_host(
     weights = torch.randn(3 * SIZE * SIZE, 10, device="cuda")
     it = iter(loader)
     for _ in range(2):  # start-up (pipelines, pinned slots, kernels' modules) may synchronize
-        images, labels = next(it)
+        images, _labels = next(it)
         (images.flatten(1) @ weights).sum()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any implicit synchronization now raises

@@ -26,10 +26,11 @@ next ``put`` finds the batch's tensors in that slot and copies the slot as it is
 only the rest (labels) after them. On an H200 the pack bound the ring at 0.37x a pinned
 copy's GB/s even on 8 threads.
 
-A large batch that was not written into a slot is packed by a few threads at once (``pack_threads``): one thread's copy_
-ran at ~5 GB/s, a tenth of what the copy engine takes. Tensors already on the ring's device
-(a GPU decoder's output) are not packed: they pass through, and the consumer's stream waits
-for an event recorded on the producer's stream when it put them.
+A large batch that was not written into a slot is packed by a few threads at once
+(``pack_threads``): one thread's copy_ ran at ~5 GB/s, a tenth of what the copy engine takes.
+Tensors already on the ring's device (a GPU decoder's output) are not packed: they pass
+through, and the consumer's stream waits for an event recorded on the producer's stream when
+it put them.
 
 The batch arrives on the device as views into one device buffer per batch (released when
 all of them are dropped). On a CPU target the same ring runs unpinned and ``get`` hands out
@@ -373,7 +374,11 @@ def _offset_in(slot: _Slot | None, t: torch.Tensor) -> int | None:
         return None
     base, ptr = slot.host.data_ptr(), t.data_ptr()
     nbytes = t.numel() * t.element_size()
-    if base <= ptr and ptr + nbytes <= base + slot.capacity and (ptr - base) % t.element_size() == 0:
+    if (
+        base <= ptr
+        and ptr + nbytes <= base + slot.capacity
+        and (ptr - base) % t.element_size() == 0
+    ):
         return ptr - base
     return None
 
@@ -514,7 +519,11 @@ class DeviceRing:
     # -- producer -----------------------------------------------------------------------------
 
     def empty(
-        self, shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, timeout_s: float | None = None
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        *,
+        timeout_s: float | None = None,
     ) -> torch.Tensor:
         """A tensor in a free slot's host memory (pinned on CUDA) for the calling thread to
         write a batch into: its next :meth:`put` of a batch holding it (or contiguous views
@@ -595,7 +604,9 @@ class DeviceRing:
         in_slot = [_offset_in(lent, t) for t in tensors]  # written there by the producer
         layout, total = _layout(tensors, in_slot)
         if lent is not None and total > lent.capacity:  # the rest does not fit beside them
-            tensors = [t.clone() if at is not None else t for t, at in zip(tensors, in_slot)]
+            tensors = [
+                t.clone() if at is not None else t for t, at in zip(tensors, in_slot, strict=True)
+            ]
             in_slot = [None] * len(tensors)
             layout, total = _layout(tensors, in_slot)
         if self.slot_bytes and total > self.slot_bytes:
@@ -745,7 +756,8 @@ class DeviceRing:
     def _issue(self, slot: _Slot, total: int) -> torch.Tensor:
         """Starts the copy of the slot's first ``total`` bytes; the slot's event follows it
         (on a CPU target the copy is done on return: the slot is free to reuse)."""
-        return self._engine.copy_out(slot.host[:total], slot.event)
+        buffer: torch.Tensor = self._engine.copy_out(slot.host[:total], slot.event)
+        return buffer
 
     def _reclaim(self) -> bool:
         """Under the lock: frees the slots of dropped transfers; whether any slot is free."""

@@ -161,7 +161,10 @@ def targets(report: Report) -> list[str]:
         lines.append(
             f"P8 DALI mixed decode + train preset: {dali.items_per_s:,.0f} img/s (>= 15,000)"
         )
-    for system in ("DeviceRing put/get, producer thread", "DeviceRing, batch written into the slot"):
+    for system in (
+        "DeviceRing put/get, producer thread",
+        "DeviceRing, batch written into the slot",
+    ):
         ring = found.get(system)
         if ring is not None and ring.ratio is not None:
             lines.append(f"P8 {system}: {ring.ratio:.2f}x the pinned-copy peak (>= 0.8)")

@@ -155,9 +155,19 @@ def run_node(config: RankConfig, ranks: int, work_dir: Path) -> dict[str, Any]:
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(ranks),
         }
-        command = [sys.executable, "-m", "fastload.bench.gpu.ranks", "--rank-of", json.dumps(asdict(config)), "--barrier", str(barrier)]
+        command = [
+            sys.executable,
+            "-m",
+            "fastload.bench.gpu.ranks",
+            "--rank-of",
+            json.dumps(asdict(config)),
+            "--barrier",
+            str(barrier),
+        ]
         procs.append(
-            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
         )
     results, errors = [], []
     try:
