@@ -194,3 +194,11 @@ def test_batches_held_by_the_caller_stay_intact_while_twenty_more_are_decoded(de
         decoder.decode(encoded, indices=indices, epoch=k)
     for k, (images, copy) in enumerate(held):
         assert torch.equal(images, copy), f"batch {k} was overwritten"
+
+
+def test_the_gpu_checks_decode_epoch_calls_the_backend_from_several_threads(decoder) -> None:
+    from fastload.bench.gpu.decode import _decoder_epoch
+
+    epoch = _decoder_epoch(decoder, IMAGES, BATCH, callers=3)
+    assert epoch(0) == len(IMAGES)
+    assert epoch(1) == len(IMAGES)
