@@ -202,3 +202,39 @@ def test_the_gpu_checks_decode_epoch_calls_the_backend_from_several_threads(deco
     epoch = _decoder_epoch(decoder, IMAGES, BATCH, callers=3)
     assert epoch(0) == len(IMAGES)
     assert epoch(1) == len(IMAGES)
+
+
+def test_a_bad_sample_among_many_callers_costs_only_itself() -> None:
+    """A run DALI fails takes the runs queued behind it down too: those are decoded again,
+    and only the bad sample is left out."""
+    config = DecodeConfig(transform=TrainPreset(size=16), seed=3, num_threads=2, on_error="skip")
+    cut = IMAGES[5][: len(IMAGES[5]) // 2]  # the header is whole: only DALI notices
+    with DALIDecoder(config, batch_size_hint=BATCH) as d:
+        expected = [one_run_at_a_time(d, k) for k in range(12)]
+
+        def decode(k: int) -> Any:
+            encoded, indices = batch(k)
+            if k == 4:
+                encoded = [*encoded[:1], memoryview(cut), *encoded[2:]]
+            return d.decode(encoded, indices=indices, epoch=k)
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(decode, range(12)))
+        assert d._feeder.stats["failed_runs"] >= 1
+    for k in range(12):
+        if k == 4:
+            assert got[k].kept == [0, 2, 3]
+            assert torch.equal(got[k].images, expected[k][[0, 2, 3]])
+        else:
+            assert got[k].kept == [0, 1, 2, 3]
+            assert torch.equal(got[k].images, expected[k]), k
+
+
+def test_a_batch_the_pipeline_refuses_fails_its_caller_and_the_ones_taken_with_it() -> None:
+    feeder, _, gate = recording_feeder(depth=2)
+    futures = [feeder.submit({"encoded": data}) for data in ([1], "not an array", [2])]
+    gate.set()
+    for future in futures:  # none waits forever
+        assert isinstance(future.exception(10), PipelineFailed | ValueError)
+    assert feeder.submit({"encoded": np.array([3])}).result(10).value == 30
+    feeder.close()

@@ -133,10 +133,11 @@ class DALIFeeder:
                     break
                 room = self.depth + 1 - len(fed) - len(scheduled)
                 take = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            unfed = deque(take)
             try:
-                for run in take:
-                    self._feed(run)
-                    fed.append(run)
+                while unfed:
+                    self._feed(unfed[0])
+                    fed.append(unfed.popleft())
                 if not primed and fed:
                     # DALI's first schedule_run runs `depth` iterations: pad with copies.
                     while len(fed) < self.depth:
@@ -151,6 +152,7 @@ class DALIFeeder:
                     self._pipe.schedule_run()
                     scheduled.append(fed.popleft())
             except Exception as e:  # feeding or scheduling failed: every queued run with it
+                fed.extend(unfed)
                 self._fail(e, None, fed, scheduled)
                 primed = False
                 continue
