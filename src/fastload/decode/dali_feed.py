@@ -124,13 +124,35 @@ class DALIFeeder:
         fed: deque[_Run] = deque()  # fed, not yet scheduled
         scheduled: deque[_Run] = deque()  # scheduled, outputs not yet taken
         kept: deque[tuple[Any, Any]] = deque()  # (event, DALI outputs) until the event is done
+        stopped: BaseException = ValueError(
+            "the DALI pipeline was closed before this batch was decoded"
+        )
+        try:
+            self._loop(fed, scheduled, kept)
+        except BaseException as e:  # a bug here must not leave callers waiting forever
+            stopped = RuntimeError(f"fastload's DALI driver thread stopped: {e!r}")
+            with self._cv:
+                self._closed = True
+                fed.extend(self._waiting)
+                self._waiting.clear()
+            raise
+        finally:
+            for event, _ in kept:  # copies still reading DALI's memory: let them finish
+                with contextlib.suppress(Exception):
+                    event.synchronize()
+            kept.clear()
+            for run in [*fed, *scheduled]:
+                if run.future is not None and not run.future.done():
+                    run.future.set_exception(stopped)
+
+    def _loop(self, fed: deque[_Run], scheduled: deque[_Run], kept: deque[tuple[Any, Any]]) -> None:
         primed = False  # whether the pipeline's first (prefetching) schedule_run happened
         while True:
             with self._cv:
                 while not self._closed and not self._waiting and not scheduled and not fed:
                     self._cv.wait()
                 if self._closed:
-                    break
+                    return
                 room = self.depth + 1 - len(fed) - len(scheduled)
                 take = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
             unfed = deque(take)
@@ -172,14 +194,6 @@ class DALIFeeder:
                 run.future.set_result(value)
             while kept and kept[0][0].query():  # DALI's buffers of copies that are done
                 kept.popleft()
-        for event, _ in kept:  # copies still reading DALI's memory: let them finish first
-            with contextlib.suppress(Exception):
-                event.synchronize()
-        kept.clear()
-        closed = ValueError("the DALI pipeline was closed before this batch was decoded")
-        for run in [*fed, *scheduled]:
-            if run.future is not None:
-                run.future.set_exception(closed)
 
     def _feed(self, run: _Run) -> None:
         for name, data in run.inputs.items():
