@@ -566,7 +566,11 @@ class DALIDecoder:
                     pieces += self._run_isolating(positions[c], arrays[c], boxes[c], fail)
                 continue
             if fed.ready is not None:  # the caller's stream waits for the copy, not the host
-                torch.cuda.current_stream(self.device).wait_event(fed.ready)
+                caller = torch.cuda.current_stream(self.device)
+                caller.wait_event(fed.ready)
+                # Made on the feeder's stream: not reused while the caller's stream reads it.
+                for t in fed.value if isinstance(fed.value, list) else [fed.value]:
+                    t.record_stream(caller)
             pieces.append((positions[c], fed.value))
         skipped.sort()
         kept = [p for piece_positions, _ in pieces for p in piece_positions]
