@@ -5,6 +5,7 @@ batches as one run at a time, from many threads, and batches held by the caller 
 from __future__ import annotations
 
 import io
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -238,3 +239,27 @@ def test_a_batch_the_pipeline_refuses_fails_its_caller_and_the_ones_taken_with_i
         assert isinstance(future.exception(10), PipelineFailed | ValueError)
     assert feeder.submit({"encoded": np.array([3])}).result(10).value == 30
     feeder.close()
+
+
+def _task_nice(tid: str) -> int:
+    """A thread's nice value, from /proc (field 19 of its stat; the name may hold spaces)."""
+    import pathlib
+
+    stat = pathlib.Path(f"/proc/self/task/{tid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[16])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice is Linux's")
+def test_the_pipelines_threads_run_at_thread_nice_below_the_caller() -> None:
+    with DALIDecoder(DecodeConfig(num_threads=2)):  # DALI starts a global thread once
+        pass
+    base = _task_nice(str(threading.get_native_id()))
+    before = set(os.listdir("/proc/self/task"))
+    config = DecodeConfig(transform=TrainPreset(size=16), num_threads=2)
+    with DALIDecoder(config, batch_size_hint=BATCH, thread_nice=6) as d:
+        encoded, indices = batch(0)
+        d.decode(encoded, indices=indices)
+        started = set(os.listdir("/proc/self/task")) - before
+        assert len(started) >= 3  # the driver and DALI's worker threads
+        assert {t: _task_nice(t) for t in started} == dict.fromkeys(started, min(19, base + 6))
+    assert _task_nice(str(threading.get_native_id())) == base

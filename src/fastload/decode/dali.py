@@ -258,7 +258,9 @@ class DALIDecoder:
 
     ``device_id``: the GPU to decode on (None: ``config.device`` decides; "cpu" gives DALI's
     CPU pipeline). ``batch_size_hint``: the pipeline's maximum batch; smaller batches are fed
-    as they are, larger ones in several runs. The remaining arguments tune the ``mixed``
+    as they are, larger ones in several runs. ``prefetch_depth``: runs in DALI's queue (>= 2).
+    ``thread_nice``: the pipeline's threads run this many steps below the constructing
+    thread's CPU priority (a loader's ``thread_nice``). The remaining arguments tune the ``mixed``
     decoder and are ignored by the CPU pipeline: ``hw_decoder_load`` (share of JPEGs sent to
     the hardware decoder), ``device_memory_padding`` / ``host_memory_padding`` (bytes
     preallocated per thread for nvJPEG, which avoids reallocations on large images) and
@@ -284,6 +286,7 @@ class DALIDecoder:
         preallocate_width_hint: int = 0,
         preallocate_height_hint: int = 0,
         prefetch_depth: int = 2,
+        thread_nice: int = 0,
     ) -> None:
         if prefetch_depth < 2:
             raise ValueError(f"prefetch_depth must be >= 2, got {prefetch_depth}")
@@ -335,6 +338,7 @@ class DALIDecoder:
             depth=prefetch_depth,
             stream=stream,
             name="fastload-dali-feed",
+            nice=thread_nice,
         )
 
     # -- the pipeline ------------------------------------------------------------------------

@@ -34,6 +34,8 @@ decide (the DALI backend then finds the bad sample on a pipeline of its own).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -78,6 +80,9 @@ class DALIFeeder:
     once here, on the caller's thread, so that its errors raise at construction, and again
     after a failed run); ``convert(outputs)`` turns one run's outputs into what callers get.
     ``stream``: the CUDA stream outputs are ordered and converted on (None on the CPU).
+    ``nice``: the driver runs this many steps below the constructing thread's CPU priority
+    (Linux), and builds the pipeline there, so DALI's own threads inherit it: a loader's
+    ``thread_nice``, which keeps the training step on its core.
     """
 
     def __init__(
@@ -88,19 +93,27 @@ class DALIFeeder:
         depth: int = 2,
         stream: Any = None,
         name: str = "fastload-dali",
+        nice: int = 0,
     ) -> None:
         if depth < 2:
             raise ValueError(f"depth must be >= 2 (a run queued while one is taken), got {depth}")
         self._build, self._convert = build, convert
         self.depth = depth
         self._stream = stream
-        self._pipe: Any = build()
+        self._nice = nice
+        self._pipe: Any = None
         self._cv = threading.Condition()
         self._waiting: deque[_Run] = deque()  # submitted, not yet fed
         self._closed = False
         self.stats = {"runs": 0, "padding_runs": 0, "failed_runs": 0, "rebuilds": 0}
+        self._built = threading.Event()
+        self._build_errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._drive, name=name, daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_errors:  # raised here, on the constructing thread
+            self._thread.join()
+            raise self._build_errors[0]
 
     @property
     def pipeline(self) -> Any:
@@ -127,6 +140,14 @@ class DALIFeeder:
         stopped: BaseException = ValueError(
             "the DALI pipeline was closed before this batch was decoded"
         )
+        _lower_priority(self._nice)
+        try:
+            self._pipe = self._build()
+        except BaseException as e:
+            self._build_errors.append(e)
+            return
+        finally:
+            self._built.set()
         try:
             self._loop(fed, scheduled, kept)
         except BaseException as e:  # a bug here must not leave callers waiting forever
@@ -261,6 +282,18 @@ class DALIFeeder:
             return  # a run still in DALI: leave the pipeline to it
         pipe, self._pipe = self._pipe, None
         shutdown_pipeline(pipe)
+
+
+def _lower_priority(nice: int) -> None:
+    """This thread ``nice`` steps below its CPU priority, where Linux allows it per thread
+    (threads it starts, DALI's native ones included, inherit it); else nothing."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # not permitted (a sandbox): run at the same priority
+        pass
 
 
 def shutdown_pipeline(pipe: Any) -> None:

@@ -391,7 +391,7 @@ class DataLoader(tud.DataLoader[Any]):
             assert isinstance(self.dataset, ShardedDataset)
             into_slots = False
             if self.decode is not None:
-                from fastload.loader.ring import decodes_into_slots
+                from fastload.loader.ring import dali_options, decodes_into_slots
 
                 target = "cpu" if self.device is None else str(self.device)
                 into_slots = decodes_into_slots(
@@ -406,6 +406,7 @@ class DataLoader(tud.DataLoader[Any]):
                     device=target,
                     on_error=self.on_error,
                     num_threads=max(1, self.num_workers),
+                    **dali_options(self.decode, target, self.thread_nice),
                 )
                 self._stats.set_info("decode_backend", self._decoder.backend)
                 if into_slots:

@@ -69,6 +69,7 @@ __all__ = [
     "RingClosedError",
     "RingTimeoutError",
     "Transfer",
+    "dali_options",
     "decodes_into_slots",
 ]
 
@@ -285,6 +286,15 @@ def decodes_into_slots(
         return False
     backend, _ = choose_backend(decode, str(device))  # type: ignore[arg-type]
     return backend == "cpu"
+
+
+def dali_options(decode: str, target: str, thread_nice: int) -> dict[str, Any]:
+    """What a loader passes DALI's backend beyond the common settings: its threads' nice
+    (DALI builds its threads on the decoder's driver thread, not on the loader's threads)."""
+    from fastload.decode import choose_backend
+
+    backend, _ = choose_backend(decode, target)  # type: ignore[arg-type]
+    return {"thread_nice": thread_nice} if backend == "dali" else {}
 
 
 def _resolve(device: str | torch.device) -> torch.device:
