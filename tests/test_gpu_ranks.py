@@ -94,3 +94,22 @@ def test_the_check_runs_fastload_doctor_as_a_user_does(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     figures = summarize_doctor(json.loads(done.stdout))
     assert figures["img/s"] > 0
+
+
+def test_the_fed_steps_profile_is_written(tmp_path: Path) -> None:
+    """The overlap section's profile, on the CPU: every op of the steps, ranked."""
+    import contextlib
+
+    import torch
+
+    from fastload.bench.gpu.overlap import profile_fed_steps
+
+    @contextlib.contextmanager
+    def batches():
+        yield ((torch.ones(64, 64),) for _ in range(10))
+
+    path = profile_fed_steps(batches, lambda x: (x @ x).sum(), 4, tmp_path, "cpu")
+    text = path.read_text()
+    assert path.name == "profile-cpu.txt"
+    assert "4 fed steps" in text
+    assert "aten::mm" in text

@@ -54,6 +54,7 @@ class GpuCheckConfig:
     rank_batches: int = 12  # timed batches per rank in the ranks section
     ranks: int = 0  # N in the ranks section; 0: a rank per GPU, at least 2
     doctor_phase_s: float = 1.5  # seconds per phase of each doctor run
+    profile_steps: int = 8  # fed steps under torch.profiler per loader (0: no profile)
     sections: tuple[str, ...] = SECTIONS
     device: str = "cuda"
 
@@ -61,6 +62,8 @@ class GpuCheckConfig:
         for name in ("files", "images", "batch_size", "size", "repeats", "threads", "copies"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.profile_steps < 0:
+            raise ValueError(f"profile_steps must be >= 0 (0: none), got {self.profile_steps}")
         if self.rank_batches < 1 or self.ranks < 0 or self.doctor_phase_s <= 0:
             raise ValueError(
                 "rank_batches must be >= 1, ranks >= 0 (0: a rank per GPU) and "
@@ -92,6 +95,7 @@ class GpuCheckConfig:
             "step_ms": 10.0,
             "rank_batches": 2,
             "doctor_phase_s": 0.5,
+            "profile_steps": 0,
         }
         return cls(**{**settings, **overrides})
 

@@ -190,4 +190,45 @@ def measure_overlap(
         name = f"fastload.DataLoader(decode={decode!r})"
         row(f"{name} alone", "no step: what the loader delivers", loader(decode), alone=True)
         row(name, "decode + ring, overlapped with the step", loader(decode))
+        if config.profile_steps:
+            try:
+                profile_fed_steps(loader(decode), step, config.profile_steps, out_dir, decode)
+            except Exception as e:  # a profile is a help, not a figure
+                outcome.skipped[f"profile of {name}"] = f"{type(e).__name__}: {e}"
     outcome.rows[rows_before:] = relate(outcome.rows[rows_before:], STEP_REFERENCE)
+
+
+def profile_fed_steps(
+    batches: Callable[[], contextlib.AbstractContextManager[Any]],
+    step: Callable[[torch.Tensor], Any],
+    steps: int,
+    out_dir: Path,
+    decode: str,
+) -> Path:
+    """torch.profiler over ``steps`` fed steps (every thread's ops, CPU and CUDA): where a
+    fed step's time goes, for the closing note of a target the run missed. Writes
+    ``profile-<decode>.txt`` (the top ops by CUDA time, then by CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()  # (runs on the CPU too: how it is tested)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with batches() as it:
+        source = iter(it)
+        step(next(source)[0])  # start-up is not what is profiled
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step(next(source)[0])
+            if cuda:
+                torch.cuda.synchronize()
+    averages = prof.key_averages()
+    by_device = "cuda_time_total" if cuda else "cpu_time_total"
+    path = out_dir / f"profile-{decode}.txt"
+    path.write_text(
+        f"{steps} fed steps, fastload.DataLoader(decode={decode!r})\n\nby {by_device}\n"
+        + averages.table(sort_by=by_device, row_limit=25)
+        + "\n\nby CPU time\n"
+        + averages.table(sort_by="cpu_time_total", row_limit=25)
+    )
+    return path
