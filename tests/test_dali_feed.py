@@ -263,3 +263,29 @@ def test_the_pipelines_threads_run_at_thread_nice_below_the_caller() -> None:
         assert len(started) >= 3  # the driver and DALI's worker threads
         assert {t: _task_nice(t) for t in started} == dict.fromkeys(started, min(19, base + 6))
     assert _task_nice(str(threading.get_native_id())) == base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.filterwarnings("ignore:nvidia-dali-cuda.* is no longer shipped:Warning")
+def test_on_the_gpu_held_batches_stay_intact_and_nothing_synchronizes_the_host() -> None:
+    config = DecodeConfig(transform=TrainPreset(size=16), seed=3, num_threads=2, device="cuda")
+    with DALIDecoder(config, batch_size_hint=BATCH) as d:
+        encoded, indices = batch(0)
+        d.decode(encoded, indices=indices)  # start-up (the pipeline's first runs) may sync
+        torch.cuda.synchronize()
+        held = []
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for k in range(30):
+                encoded, indices = batch(k)
+                images = d.decode(encoded, indices=indices, epoch=k).images
+                if k < 10:
+                    held.append((images, images.clone()))  # the copy: ordered on this stream
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        for k, (images, copy) in enumerate(held):
+            assert images.device.type == "cuda"
+            assert torch.equal(images, copy), f"batch {k} was overwritten"
+        assert torch.equal(held[3][0].cpu(), one_run_at_a_time(d, 3).cpu())
