@@ -40,6 +40,7 @@ from fastload.decode.base import Decoder
 from fastload.errors import DatasetMismatchError
 from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
+from fastload.loader.device_decode import dali_options, decodes_into_slots
 from fastload.loader.pipeline import Pipeline
 from fastload.loader.preemption import PreemptionHandler
 from fastload.loader.resume import ResumableIndex, replaying, rng_state, set_rng_state
@@ -391,8 +392,6 @@ class DataLoader(tud.DataLoader[Any]):
             assert isinstance(self.dataset, ShardedDataset)
             into_slots = False
             if self.decode is not None:
-                from fastload.loader.ring import dali_options, decodes_into_slots
-
                 target = "cpu" if self.device is None else str(self.device)
                 into_slots = decodes_into_slots(
                     self.decode, self.transform, self.device, through_ring=self._moves_to_device()

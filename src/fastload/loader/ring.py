@@ -69,8 +69,6 @@ __all__ = [
     "RingClosedError",
     "RingTimeoutError",
     "Transfer",
-    "dali_options",
-    "decodes_into_slots",
 ]
 
 log = logging.getLogger(__name__)
@@ -270,31 +268,6 @@ class HostEngine:
 
     def consumer_waits(self, event: Any, buffer: torch.Tensor) -> None:
         pass
-
-
-def decodes_into_slots(
-    decode: str, transform: Any, device: torch.device | None, *, through_ring: bool
-) -> bool:
-    """Whether a loader's CPU decoder writes its batches on the host straight into the ring's
-    slots (pinned on CUDA: one copy per batch, no pack) rather than into its own buffers, or
-    transforming on the GPU: a preset (a batch tensor of known shape) on fastload's CPU
-    backend, for batches that go through the ring."""
-    from fastload.decode import choose_backend
-    from fastload.decode.params import EvalPreset, TrainPreset
-
-    if device is None or not through_ring or not isinstance(transform, TrainPreset | EvalPreset):
-        return False
-    backend, _ = choose_backend(decode, str(device))  # type: ignore[arg-type]
-    return backend == "cpu"
-
-
-def dali_options(decode: str, target: str, thread_nice: int) -> dict[str, Any]:
-    """What a loader passes DALI's backend beyond the common settings: its threads' nice
-    (DALI builds its threads on the decoder's driver thread, not on the loader's threads)."""
-    from fastload.decode import choose_backend
-
-    backend, _ = choose_backend(decode, target)  # type: ignore[arg-type]
-    return {"thread_nice": thread_nice} if backend == "dali" else {}
 
 
 def _resolve(device: str | torch.device) -> torch.device:
