@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: decode images/s (DALI mixed, fastload's CPU path, CPU decode +
 # GPU transforms, DALI's own pipeline), host->device bandwidth (pageable, pinned peak, the
-# DeviceRing) and a simulated training step with and without the data path overlapped.
-# Needs no network; under 5 minutes on one H200 (--quick: about a minute).
+# DeviceRing) and a simulated training step with and without the data path overlapped; the
+# loader in 1 and N rank processes (per-rank img/s, cores per GPU); fastload doctor on CUDA.
+# Needs no network; sized for under 4 minutes on one H200, every section (not yet timed there
+# since the ranks and doctor sections were added; --quick: about a minute).
 # Runs on .venv/bin/python (make install) or on a python3 whose torch has CUDA, with this
 # checkout's sources; that interpreter needs fastload's dependencies (simplejpeg for the CPU
 # rows) and, for the DALI rows, nvidia-dali-cuda130; what is missing is reported per row.

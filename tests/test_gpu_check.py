@@ -15,6 +15,7 @@ import torch
 
 from fastload.bench.gpu import gpu_check
 from fastload.bench.gpu.config import GpuCheckConfig, Outcome
+from fastload.bench.gpu.doctor_check import DOCTOR_RUNS
 from fastload.bench.gpu.transfer import ring_feed
 from fastload.bench.runner import Measurement, Report
 from fastload.decode.cpu import decode_rgb
@@ -227,6 +228,12 @@ def test_the_whole_check_runs_in_quick_mode(tmp_path: Path) -> None:
     systems = {r["system"] for r in payload["rows"]}
     assert {"fastload CPU", gpu_check.COPY_REFERENCE, gpu_check.STEP_REFERENCE} <= systems
     assert "DeviceRing put/get, producer thread" in systems
+    assert "DeviceRing, batch written into the slot" in systems
+    for decode in ("auto", "cpu"):  # each loader alone and feeding the step
+        name = f"fastload.DataLoader(decode={decode!r})"
+        assert {name, f"{name} alone"} <= systems
+    assert sum(s.endswith("GPU(s)") for s in systems) == 2  # 1 rank and N ranks
+    assert set(DOCTOR_RUNS) <= systems
     assert payload["params"]["failures"] == {}
     assert payload["params"]["gpu"]["name"]
     if HAS_DALI:

@@ -338,10 +338,20 @@ class CPUDecoder:
         self._jpeg: Any = None  # the native transform, made per process on first use
         self._pool: ThreadPoolExecutor | None = None
         self._buffers: list[npt.NDArray[np.float32]] = []
+        self._allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
         self._pid = -1
         self._lock = threading.Lock()  # the next sample of a batch
         self._state_lock = threading.Lock()  # the pool and the buffers, if decode() races
         self._closed = False
+
+    def write_into(
+        self, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None
+    ) -> None:
+        """Preset batches on the CPU are written into ``allocate(shape, dtype)`` (a
+        :meth:`DeviceRing.empty <fastload.loader.ring.DeviceRing.empty>` slot, pinned: the
+        copy to the GPU then needs no pack) rather than the decoder's own buffers; called on
+        the thread that calls ``decode``. None: back to its own."""
+        self._allocate = allocate
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pid not in (-1, os.getpid()):
@@ -461,6 +471,8 @@ class CPUDecoder:
         """
         if self.device.type != "cpu":
             return torch.empty(shape, dtype=torch.float32, device=self.device)
+        if self._allocate is not None:
+            return self._allocate(shape, torch.float32)
         count = shape[0] * shape[1] * shape[2] * shape[3]
         with self._state_lock:
             buffers = self._buffers

@@ -4,7 +4,8 @@ Two graphs, chosen once at construction:
 
 - GPU (``device_id`` given, or ``config.device`` is ``cuda[:k]``): ``mixed`` decoding (nvJPEG
   and, where the GPU has one, the hardware JPEG decoder), resize and normalize on the GPU; the
-  result reaches torch through DLPack without a copy.
+  result is copied on the pipeline's side stream into torch's memory (see
+  :mod:`fastload.decode.dali_feed` for why) and the caller's stream waits on an event.
 - CPU (``device_id=None`` and ``config.device="cpu"``): the same operators on DALI's CPU
   threads.
 
@@ -14,10 +15,18 @@ and the CPU backend produce the same batches. The box needs the image size befor
 :func:`image_size` reads it from the header (JPEG and PNG natively, other formats through
 Pillow when it is installed).
 
+The pipeline is driven by :class:`~fastload.decode.dali_feed.DALIFeeder` with a prefetch
+queue of ``prefetch_depth`` (>= 2): every thread calling :meth:`DALIDecoder.decode` hands its
+batch to the driver, which feeds and schedules the next batches before taking a batch's
+outputs, so DALI works on batch N+1 while batch N's caller collates it (a decoder that ran one
+batch at a time made a loader's 16 threads wait ~45 ms a step on it, and ran at 0.58x DALI's
+own pipeline on an H200).
+
 DALI fails a whole batch when one sample is bad and then declares its pipeline invalid. To
 name the sample (and to honour ``on_error="skip"``) headers are checked up front, and when
-DALI still fails the batch is split in halves on a fresh pipeline until the bad samples are
-found; that costs a pipeline rebuild per failed run and happens only when a batch has one.
+DALI still fails the batch is split in halves on a second, synchronous pipeline (built on
+the first failure) until the bad samples are found; that costs a pipeline rebuild per failed
+run and happens only when a batch has one.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from fastload.decode.base import (
     DecodeError,
     sample_name,
 )
+from fastload.decode.dali_feed import DALIFeeder, PipelineFailed, shutdown_pipeline
 from fastload.decode.jpeg_scans import missing_scans
 from fastload.decode.limits import DEFAULT_MAX_PIXELS, oversize
 from fastload.decode.params import EvalPreset, TrainPreset, augments
@@ -248,14 +258,18 @@ class DALIDecoder:
 
     ``device_id``: the GPU to decode on (None: ``config.device`` decides; "cpu" gives DALI's
     CPU pipeline). ``batch_size_hint``: the pipeline's maximum batch; smaller batches are fed
-    as they are, larger ones in several runs. The remaining arguments tune the ``mixed``
+    as they are, larger ones in several runs. ``prefetch_depth``: runs in DALI's queue (>= 2).
+    ``thread_nice``: the pipeline's threads run this many steps below the constructing
+    thread's CPU priority (a loader's ``thread_nice``). The remaining arguments tune the ``mixed``
     decoder and are ignored by the CPU pipeline: ``hw_decoder_load`` (share of JPEGs sent to
     the hardware decoder), ``device_memory_padding`` / ``host_memory_padding`` (bytes
     preallocated per thread for nvJPEG, which avoids reallocations on large images) and
     ``preallocate_width_hint`` / ``preallocate_height_hint`` (for the hardware decoder).
 
     Make one per process, in the main process (a DALI pipeline owns threads and, on the GPU,
-    device memory; never one per DataLoader worker). Not reentrant: calls are serialized.
+    device memory; never one per DataLoader worker). ``decode`` may be called from several
+    threads at once: their batches queue for the one pipeline (``prefetch_depth`` runs in
+    DALI's queue) and each caller gets its own.
     """
 
     backend = "dali"
@@ -271,7 +285,11 @@ class DALIDecoder:
         host_memory_padding: int = 8 << 20,
         preallocate_width_hint: int = 0,
         preallocate_height_hint: int = 0,
+        prefetch_depth: int = 2,
+        thread_nice: int = 0,
     ) -> None:
+        if prefetch_depth < 2:
+            raise ValueError(f"prefetch_depth must be >= 2, got {prefetch_depth}")
         if not 0.0 <= hw_decoder_load <= 1.0:
             raise ValueError(f"hw_decoder_load must be within [0, 1], got {hw_decoder_load}")
         if batch_size_hint < 1:
@@ -305,11 +323,23 @@ class DALIDecoder:
             # GPU output close to the CPU backends'.
             "jpeg_fancy_upsampling": True,
         }
-        self._lock = threading.Lock()
+        self.prefetch_depth = prefetch_depth
+        self._lock = threading.Lock()  # the synchronous pipeline that isolates bad samples
         self._pid = os.getpid()
-        self._pipe: Any = None
+        self._pipe: Any = None  # that pipeline, built on the first failed run
         self._closed = False
-        self._pipe = self._build()
+        stream = None
+        if self._gpu:
+            cuda: Any = torch.cuda  # its Stream constructor is untyped
+            stream = cuda.Stream(device=self.device)
+        self._feeder = DALIFeeder(
+            lambda: self._build(self.prefetch_depth),
+            self._to_torch,
+            depth=prefetch_depth,
+            stream=stream,
+            name="fastload-dali-feed",
+            nice=thread_nice,
+        )
 
     # -- the pipeline ------------------------------------------------------------------------
 
@@ -317,12 +347,12 @@ class DALIDecoder:
     def _gpu(self) -> bool:
         return self.device.type == "cuda"
 
-    def _build(self) -> Any:
-        pipe, _ = self._define(self.device)
+    def _build(self, depth: int = 1) -> Any:
+        pipe, _ = self._define(self.device, depth)
         pipe.build()
         return pipe
 
-    def _define(self, device: torch.device) -> tuple[Any, Any]:
+    def _define(self, device: torch.device, depth: int = 1) -> tuple[Any, Any]:
         """The pipeline for ``device``, not yet built, and its output node.
 
         Inputs are named external sources fed per batch. Kept apart from the build so that
@@ -335,9 +365,9 @@ class DALIDecoder:
             num_threads=self.config.num_threads,
             device_id=device.index if gpu else None,
             seed=self.config.seed,  # nothing random in the graph; set for reproducibility
-            prefetch_queue_depth=1,  # one batch in flight: decode() is synchronous
+            prefetch_queue_depth=depth,  # the feeder's queue; 1 for the isolating pipeline
             # The default executor allocates outputs per run and keeps them alive while they
-            # are referenced, so handing them to torch through DLPack without a copy is safe.
+            # are referenced, so CPU outputs go to torch through DLPack without a copy.
             exec_dynamic=True,
         )
         decoder: dict[str, Any] = {
@@ -389,29 +419,43 @@ class DALIDecoder:
         _shutdown(old)
         self._pipe = self._build()
 
-    def _run(self, arrays: list[np.ndarray], boxes: np.ndarray) -> Any:
-        """One pipeline run over at most max_batch_size samples; the output as torch.
+    def _inputs(self, arrays: list[np.ndarray], boxes: np.ndarray) -> dict[str, Any]:
+        """One run's external-source batches. ``arrays``: views of the encoded bytes (DALI
+        copies them once, in C++, when fed); ``boxes``: (n, 5) int32 rows of top, left,
+        crop_h, crop_w, flip (with a preset)."""
+        inputs: dict[str, Any] = {"encoded": arrays}
+        if self._preset is not None:
+            inputs["anchor"] = np.ascontiguousarray(boxes[:, 0:2])
+            inputs["shape"] = np.ascontiguousarray(boxes[:, 2:4])
+            inputs["mirror"] = np.ascontiguousarray(boxes[:, 4])
+        return inputs
 
-        ``boxes``: (n, 5) int32 rows of top, left, crop_h, crop_w, flip (with a preset)."""
-        if self._pipe is None:  # a rebuild after an error failed: try once more
+    def _to_torch(self, outputs: Any) -> Any:
+        """One run's output as torch: a batch tensor with a preset, else a list. On the CPU
+        DALI's memory itself (DLPack); on a GPU a copy into torch's memory, on the current
+        stream (the feeder's), which DALI's outputs are ordered on."""
+        (out,) = outputs
+        if self._preset is None:
+            images = [from_dlpack(out[i]) for i in range(len(out))]
+            return [t.clone() for t in images] if self._gpu else images
+        if out.is_dense_tensor():
+            batch = from_dlpack(out.as_tensor())
+            return batch.clone() if self._gpu else batch
+        return torch.stack([from_dlpack(out[i]) for i in range(len(out))])
+
+    def _run(self, arrays: list[np.ndarray], boxes: np.ndarray) -> Any:
+        """One run on the synchronous pipeline (isolating bad samples); the output as torch.
+        Rare, so simple: on a GPU the host waits for the copy out of DALI's memory."""
+        if self._pipe is None:  # the first failure, or a rebuild after one failed
             self._pipe = self._build()
         pipe = self._pipe
-        pipe.feed_input("encoded", arrays)
-        if self._preset is not None:
-            pipe.feed_input("anchor", np.ascontiguousarray(boxes[:, 0:2]))
-            pipe.feed_input("shape", np.ascontiguousarray(boxes[:, 2:4]))
-            pipe.feed_input("mirror", np.ascontiguousarray(boxes[:, 4]))
+        for name, data in self._inputs(arrays, boxes).items():
+            pipe.feed_input(name, data)
+        outputs = pipe.run()
+        images = self._to_torch(outputs)
         if self._gpu:
-            # GPU-only: outputs are ordered on torch's current stream (no host sync here);
-            # from_dlpack below hands that stream to DALI in __dlpack__.
-            (out,) = pipe.run(torch.cuda.current_stream(self.device))
-        else:
-            (out,) = pipe.run()
-        if self._preset is None:
-            return [from_dlpack(out[i]) for i in range(len(out))]
-        if out.is_dense_tensor():
-            return from_dlpack(out.as_tensor())  # zero-copy, CPU or GPU
-        return torch.stack([from_dlpack(out[i]) for i in range(len(out))])
+            torch.cuda.current_stream(self.device).synchronize()
+        return images
 
     def _run_isolating(
         self,
@@ -503,22 +547,35 @@ class DALIDecoder:
             if size is not None:
                 sizes.append(size)
         boxes = self._boxes(sizes, [int(indices[i]) for i in positions], epoch)
-        with self._lock:
-            if self._closed:
-                raise ValueError("this DALIDecoder is closed")
-            if os.getpid() != self._pid:
-                raise RuntimeError(
-                    f"this DALIDecoder was made in process {self._pid} and cannot run in a "
-                    f"forked child ({os.getpid()}, e.g. a DataLoader worker): its pipeline's "
-                    "threads did not survive the fork. Decode in the main process"
-                )
-            pieces: list[tuple[list[int], Any]] = []
-            step = self.max_batch_size
-            for start in range(0, len(positions), step):
-                stop = start + step
-                pieces += self._run_isolating(
-                    positions[start:stop], arrays[start:stop], boxes[start:stop], fail
-                )
+        if self._closed:
+            raise ValueError("this DALIDecoder is closed")
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this DALIDecoder was made in process {self._pid} and cannot run in a "
+                f"forked child ({os.getpid()}, e.g. a DataLoader worker): its pipeline's "
+                "threads did not survive the fork. Decode in the main process"
+            )
+        step = self.max_batch_size
+        chunks = [slice(a, a + step) for a in range(0, len(positions), step)]
+        # Every run of the batch queued at once: DALI works on the next while one is taken.
+        futures = [self._feeder.submit(self._inputs(arrays[c], boxes[c])) for c in chunks]
+        pieces: list[tuple[list[int], Any]] = []
+        for c, future in zip(chunks, futures, strict=True):
+            try:
+                fed = future.result()
+            except PipelineFailed as e:
+                if not _is_data_error(e.error):
+                    raise e.error from None
+                with self._lock:  # find the bad samples on the synchronous pipeline
+                    pieces += self._run_isolating(positions[c], arrays[c], boxes[c], fail)
+                continue
+            if fed.ready is not None:  # the caller's stream waits for the copy, not the host
+                caller = torch.cuda.current_stream(self.device)
+                caller.wait_event(fed.ready)
+                # Made on the feeder's stream: not reused while the caller's stream reads it.
+                for t in fed.value if isinstance(fed.value, list) else [fed.value]:
+                    t.record_stream(caller)
+            pieces.append((positions[c], fed.value))
         skipped.sort()
         kept = [p for piece_positions, _ in pieces for p in piece_positions]
         if self._preset is not None:
@@ -548,8 +605,9 @@ class DALIDecoder:
         if os.getpid() != self._pid:
             # A forked child: shutting down (even garbage-collecting) the parent's pipeline
             # waits forever on threads that were not copied. Keep it alive, untouched.
-            _INHERITED.append(pipe)
+            _INHERITED.extend((pipe, self._feeder))
             return
+        self._feeder.close()
         _shutdown(pipe)
 
     def __getstate__(self) -> object:
@@ -569,16 +627,5 @@ class DALIDecoder:
         return f"DALIDecoder(device={str(self.device)!r}, {state})"
 
 
-_INHERITED: list[Any] = []  # pipelines a forked child must never shut down (see close)
-
-
-def _shutdown(pipe: Any) -> None:
-    """Stops a pipeline now rather than when it is garbage collected.
-
-    DALI has no public close; ``Pipeline.__del__`` calls ``_shutdown``, which is what we call.
-    """
-    if pipe is None:
-        return
-    shutdown = getattr(pipe, "_shutdown", None)
-    if callable(shutdown):
-        shutdown()
+_INHERITED: list[Any] = []  # pipelines (and feeders) a forked child must never shut down
+_shutdown = shutdown_pipeline

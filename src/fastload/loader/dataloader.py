@@ -40,6 +40,7 @@ from fastload.decode.base import Decoder
 from fastload.errors import DatasetMismatchError
 from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
+from fastload.loader.device_decode import dali_options, decodes_into_slots
 from fastload.loader.pipeline import Pipeline
 from fastload.loader.preemption import PreemptionHandler
 from fastload.loader.resume import ResumableIndex, replaying, rng_state, set_rng_state
@@ -389,8 +390,14 @@ class DataLoader(tud.DataLoader[Any]):
     def _batch_builder(self) -> BatchBuilder:
         if self._builder is None:
             assert isinstance(self.dataset, ShardedDataset)
+            into_slots = False
             if self.decode is not None:
                 target = "cpu" if self.device is None else str(self.device)
+                into_slots = decodes_into_slots(
+                    self.decode, self.transform, self.device, through_ring=self._moves_to_device()
+                )
+                if into_slots:  # decoded on the host into the ring's pinned slots
+                    target = "cpu"
                 self._decoder = make_decoder(
                     self.decode,  # type: ignore[arg-type]
                     transform=self.transform,
@@ -398,8 +405,11 @@ class DataLoader(tud.DataLoader[Any]):
                     device=target,
                     on_error=self.on_error,
                     num_threads=max(1, self.num_workers),
+                    **dali_options(self.decode, target, self.thread_nice),
                 )
                 self._stats.set_info("decode_backend", self._decoder.backend)
+                if into_slots:
+                    self._decoder.write_into(self._device_ring().empty)  # type: ignore[attr-defined]
             self._builder = BatchBuilder(
                 self.dataset,
                 collate_fn=self.collate_fn,

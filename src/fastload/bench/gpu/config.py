@@ -12,7 +12,7 @@ from typing import Any
 
 from fastload.bench.runner import Measurement
 
-SECTIONS = ("decode", "copy", "overlap")
+SECTIONS = ("decode", "copy", "overlap", "ranks", "doctor")
 DECODE_REFERENCE = "DALI's own mixed pipeline"
 COPY_REFERENCE = "pinned tensor (torch)"
 STEP_REFERENCE = "step alone (batch already on the GPU)"
@@ -45,12 +45,16 @@ class GpuCheckConfig:
     images: int = 4096  # images per decode epoch (the files, cycled)
     batch_size: int = 256
     size: int = 224
-    repeats: int = 3
+    repeats: int = 2
     threads: int = field(default_factory=lambda: _usable_cores())
     copies: int = 8  # host->device copies of one batch per timed repeat
     ring_batches: int = 48
-    steps: int = 40
+    steps: int = 30
     step_ms: float = 20.0
+    rank_batches: int = 12  # timed batches per rank in the ranks section
+    ranks: int = 0  # N in the ranks section; 0: a rank per GPU, at least 2
+    doctor_phase_s: float = 1.5  # seconds per phase of each doctor run
+    profile_steps: int = 8  # fed steps under torch.profiler per loader (0: no profile)
     sections: tuple[str, ...] = SECTIONS
     device: str = "cuda"
 
@@ -58,6 +62,13 @@ class GpuCheckConfig:
         for name in ("files", "images", "batch_size", "size", "repeats", "threads", "copies"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.profile_steps < 0:
+            raise ValueError(f"profile_steps must be >= 0 (0: none), got {self.profile_steps}")
+        if self.rank_batches < 1 or self.ranks < 0 or self.doctor_phase_s <= 0:
+            raise ValueError(
+                "rank_batches must be >= 1, ranks >= 0 (0: a rank per GPU) and "
+                f"doctor_phase_s > 0, got {self.rank_batches}, {self.ranks}, {self.doctor_phase_s}"
+            )
         for name in ("ring_batches", "steps"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
@@ -82,6 +93,9 @@ class GpuCheckConfig:
             "ring_batches": 8,
             "steps": 8,
             "step_ms": 10.0,
+            "rank_batches": 2,
+            "doctor_phase_s": 0.5,
+            "profile_steps": 0,
         }
         return cls(**{**settings, **overrides})
 

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import itertools
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +70,26 @@ def _epochs_timed(
     )
 
 
-def _decoder_epoch(decoder: Any, encoded: list[bytes], batch_size: int) -> Callable[[int], int]:
+# Threads calling fastload's DALI backend at once, as a loader's do: each hands its batch to the
+# pipeline's driver, which keeps DALI's queue full (one caller would leave DALI idle while it
+# prepares the next batch).
+DALI_CALLERS = 3
+
+
+def _decoder_epoch(
+    decoder: Any, encoded: list[bytes], batch_size: int, callers: int = 1
+) -> Callable[[int], int]:
     def epoch(e: int) -> int:
-        done = 0
-        for start in range(0, len(encoded), batch_size):
+        def one(start: int) -> int:
             chunk = encoded[start : start + batch_size]
             indices = range(start, start + len(chunk))
-            done += len(decoder.decode(chunk, indices=indices, epoch=e).images)
-        return done
+            return len(decoder.decode(chunk, indices=indices, epoch=e).images)
+
+        starts = range(0, len(encoded), batch_size)
+        if callers == 1:
+            return sum(one(start) for start in starts)
+        with ThreadPoolExecutor(callers, thread_name_prefix="gpu-check-caller") as pool:
+            return sum(pool.map(one, starts))
 
     return epoch
 
@@ -94,9 +107,11 @@ def measure_decode(paths: list[Path], config: GpuCheckConfig, outcome: Outcome) 
     timed: dict[str, Any] = {"images": config.images, "repeats": config.repeats, "case": case}
     rows_before = len(outcome.rows)
 
-    def decoder_row(system: str, note: str, make: Callable[[], Any]) -> Measurement:
+    def decoder_row(
+        system: str, note: str, make: Callable[[], Any], callers: int = 1
+    ) -> Measurement:
         with make() as decoder:
-            epoch = _decoder_epoch(decoder, encoded, config.batch_size)
+            epoch = _decoder_epoch(decoder, encoded, config.batch_size, callers)
             return _epochs_timed(epoch, system=system, note=note, **timed)
 
     def config_for(target: str) -> DecodeConfig:
@@ -109,12 +124,13 @@ def measure_decode(paths: list[Path], config: GpuCheckConfig, outcome: Outcome) 
             "fastload DALI, mixed",
             lambda: decoder_row(
                 "fastload DALI, mixed",
-                "nvJPEG + HW decoder, our crop boxes",
+                f"nvJPEG + HW decoder, our crop boxes; {DALI_CALLERS} callers",
                 lambda: DALIDecoder(
                     config_for(str(device)),
                     batch_size_hint=config.batch_size,
                     **MIXED_OPTIONS,
                 ),
+                DALI_CALLERS,
             ),
         )
     else:

@@ -1,8 +1,8 @@
 """One command for a GPU machine: decode throughput on every backend, host->device bandwidth,
 and whether the copies hide behind a training step.
 
-Command (needs no network; under 5 minutes on one H200 with 16 cores; ``--quick`` for a
-smoke run of a minute or so)::
+Command (needs no network; meant to take under 4 minutes on one H200 with 16 cores, every
+section; ``--quick`` for a smoke run of a minute or so)::
 
     benchmarks/gpu_check.sh [--quick] [--out DIR]
     .venv/bin/python -m fastload.bench.gpu.gpu_check [--quick] [--out DIR]   # the same, directly
@@ -29,15 +29,28 @@ Sections:
 * ``copy``: host->device GB/s for one float32 train batch (N, 3, size, size), as a ratio to
   a pinned torch tensor (the peak): from pageable memory, from a slot of
   :class:`~fastload.loader.ring.DeviceRing` (page-aligned, ``cudaHostRegister``-ed), and through the
-  whole ring (a producer thread packs batches, the consumer takes them).
+  whole ring (a producer thread packs batches, the consumer takes them; and batches written
+  straight into a lent slot, as the CPU decoder writes them: no pack).
 
 * ``overlap``: a simulated training step (a bf16 matmul loop of about ``step_ms``, reading
   the batch) fed by: data already on the GPU (reference), a pageable copy before each step
   (no overlap), the DeviceRing in a producer thread, decoding inline before each step
-  (``decode="auto"``), and ``fastload.DataLoader(decode="auto", device="cuda")``. Steps/s as
-  a ratio to the reference: 1.0 means the data path is fully hidden.
+  (``decode="auto"``), and ``fastload.DataLoader(device="cuda")`` with ``decode="auto"``
+  (DALI on the GPU, fed ahead) and ``decode="cpu"`` (the host decoder writing into the
+  ring's pinned slots), each alone (no step) and feeding the step. Steps/s as a ratio to
+  the reference: 1.0 means the data path is fully hidden; P8 asks the fed step to take at
+  most 1.1x the longer of the step alone and the loader alone.
 
-One module per section (:mod:`.decode`, :mod:`.transfer`, :mod:`.overlap`), on
+* ``ranks``: ``fl.DataLoader(decode="auto")`` in 1 and N rank processes at once
+  (:mod:`.ranks`; N a rank per GPU, at least 2 sharing one): each rank's images/s and the
+  CPU cores used per GPU.
+
+* ``doctor``: ``fastload doctor`` on the GPU (:mod:`.doctor_check`): ``--model resnet50``
+  (bf16, channels_last; the ``h2d`` phase), and a 20 ms step with ``--decode cpu --apply``
+  (the DALI probe, ``--apply`` against its prediction).
+
+One module per section (:mod:`.decode`, :mod:`.transfer`, :mod:`.overlap`,
+:mod:`.doctor_check` for ``ranks`` and ``doctor``), on
 :mod:`.config` and :mod:`.images`; this module checks for CUDA, runs them, prints and writes.
 """
 
@@ -65,6 +78,7 @@ from fastload.bench.gpu.config import (
     Outcome,
 )
 from fastload.bench.gpu.decode import dali_mixed_pipeline, measure_decode
+from fastload.bench.gpu.doctor_check import measure_doctor, measure_ranks
 from fastload.bench.gpu.images import generate
 from fastload.bench.gpu.overlap import measure_overlap
 from fastload.bench.gpu.transfer import measure_copy, relate_bandwidth
@@ -114,6 +128,8 @@ def run(out_dir: str | os.PathLike[str], config: GpuCheckConfig | None = None) -
         "decode": lambda: measure_decode(paths, config, outcome),
         "copy": lambda: measure_copy(config, outcome),
         "overlap": lambda: measure_overlap(paths, out, config, outcome),
+        "ranks": lambda: measure_ranks(out / "data", out, config, outcome),
+        "doctor": lambda: measure_doctor(out / "data", out, config, outcome),
     }
     for name in config.sections:
         print(f"gpu_check: {name}", file=sys.stderr, flush=True)
@@ -145,12 +161,26 @@ def targets(report: Report) -> list[str]:
         lines.append(
             f"P8 DALI mixed decode + train preset: {dali.items_per_s:,.0f} img/s (>= 15,000)"
         )
-    ring = found.get("DeviceRing put/get, producer thread")
-    if ring is not None and ring.ratio is not None:
-        lines.append(f"P8 DeviceRing: {ring.ratio:.2f}x the pinned-copy peak (>= 0.8)")
+    for system in (
+        "DeviceRing put/get, producer thread",
+        "DeviceRing, batch written into the slot",
+    ):
+        ring = found.get(system)
+        if ring is not None and ring.ratio is not None:
+            lines.append(f"P8 {system}: {ring.ratio:.2f}x the pinned-copy peak (>= 0.8)")
     fed = found.get("DeviceRing, producer thread")
     if fed is not None and fed.ratio is not None:
         lines.append(f"P8 step fed by the DeviceRing: {fed.ratio:.2f}x the bare step (1.0: hidden)")
+    step = found.get(STEP_REFERENCE)
+    for decode in ("auto", "cpu"):
+        name = f"fastload.DataLoader(decode={decode!r})"
+        fed, alone = found.get(name), found.get(f"{name} alone")
+        if step is not None and fed is not None and alone is not None:
+            bound = max(step.seconds, alone.seconds)
+            lines.append(
+                f"P8 {name} feeding the step: {fed.seconds / bound:.2f}x max(step alone, "
+                "loader alone) (<= 1.1)"
+            )
     return lines
 
 
@@ -174,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--section", action="append", choices=SECTIONS, help="run only this (repeatable)"
     )
     parser.add_argument("--device", default=None, help="cuda or cuda:k (default: cuda)")
-    for name in ("files", "images", "batch-size", "repeats", "threads", "steps"):
+    for name in ("files", "images", "batch-size", "repeats", "threads", "steps", "ranks"):
         parser.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--step-ms", type=float, default=None)
     return parser
@@ -188,6 +218,7 @@ def config_from_args(args: argparse.Namespace) -> GpuCheckConfig:
         "repeats": args.repeats,
         "threads": args.threads,
         "steps": args.steps,
+        "ranks": args.ranks,
         "step_ms": args.step_ms,
         "device": args.device,
         "sections": tuple(dict.fromkeys(args.section)) if args.section else None,

@@ -4,8 +4,6 @@ training step (a bf16 matmul loop), fed each way, against data already on the GP
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import itertools
 import json
 import statistics
@@ -48,6 +46,11 @@ class SimulatedStep:
         return images.float().mean() + self.c[0, 0]
 
 
+def _touch(images: torch.Tensor) -> torch.Tensor:
+    """The least a consumer does with a batch: one kernel that reads it."""
+    return images.sum()
+
+
 def time_steps(batches: Iterator[Any], step: Callable[[torch.Tensor], Any], steps: int) -> float:
     """Seconds for ``steps`` steps after a first, untimed one; batches are (images, ...)."""
     first = next(batches)
@@ -80,13 +83,17 @@ def measure_overlap(
     rows_before = len(outcome.rows)
 
     def row(
-        system: str, note: str, batches: Callable[[], contextlib.AbstractContextManager[Any]]
+        system: str,
+        note: str,
+        batches: Callable[[], contextlib.AbstractContextManager[Any]],
+        *,
+        alone: bool = False,
     ) -> None:
         def measure() -> Measurement:
             times = []
             for _ in range(config.repeats):
                 with batches() as it:
-                    times.append(time_steps(iter(it), step, config.steps))
+                    times.append(time_steps(iter(it), _touch if alone else step, config.steps))
             seconds = statistics.median(times)
             return Measurement(
                 benchmark="gpu_check",
@@ -143,10 +150,9 @@ def measure_overlap(
 
     row("decode='auto' inline, then step", "no overlap", inline)
 
-    if importlib.util.find_spec("fastload.loader") is not None:
-
+    def loader(decode: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         @contextlib.contextmanager
-        def loader() -> Iterator[Iterator[Any]]:
+        def batches_of() -> Iterator[Iterator[Any]]:
             dataset = fastload.open_dataset(
                 str(paths[0].parent.parent), cache_dir=str(out_dir / "cache")
             )
@@ -157,7 +163,7 @@ def measure_overlap(
                 drop_last=True,
                 num_workers=config.threads,
                 device=str(device),
-                decode="auto",
+                decode=decode,
                 transform=TrainPreset(size=config.size),
             )
 
@@ -170,13 +176,59 @@ def measure_overlap(
                 yield batches()
             finally:
                 stats = dl.stats()
-                print(  # where its time went, for the GPU path's first runs
-                    "fastload.DataLoader stages:",
-                    json.dumps({k: stats.get(k) for k in ("decode_backend", "stages", "counts")}),
+                print(  # where its time went
+                    f"fastload.DataLoader(decode={decode!r}) stages:",
+                    json.dumps(
+                        {k: stats.get(k) for k in ("decode_backend", "stages", "counts", "ring")}
+                    ),
                 )
                 dl.close()
 
-        row("fastload.DataLoader(decode='auto')", "decode + ring, overlapped", loader)
-    else:
-        outcome.skipped["fastload.DataLoader"] = "not in this version of fastload"
+        return batches_of
+
+    for decode in ("auto", "cpu"):
+        name = f"fastload.DataLoader(decode={decode!r})"
+        row(f"{name} alone", "no step: what the loader delivers", loader(decode), alone=True)
+        row(name, "decode + ring, overlapped with the step", loader(decode))
+        if config.profile_steps:
+            try:
+                profile_fed_steps(loader(decode), step, config.profile_steps, out_dir, decode)
+            except Exception as e:  # a profile is a help, not a figure
+                outcome.skipped[f"profile of {name}"] = f"{type(e).__name__}: {e}"
     outcome.rows[rows_before:] = relate(outcome.rows[rows_before:], STEP_REFERENCE)
+
+
+def profile_fed_steps(
+    batches: Callable[[], contextlib.AbstractContextManager[Any]],
+    step: Callable[[torch.Tensor], Any],
+    steps: int,
+    out_dir: Path,
+    decode: str,
+) -> Path:
+    """torch.profiler over ``steps`` fed steps (every thread's ops, CPU and CUDA): where a
+    fed step's time goes, for the closing note of a target the run missed. Writes
+    ``profile-<decode>.txt`` (the top ops by CUDA time, then by CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()  # (runs on the CPU too: how it is tested)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with batches() as it:
+        source = iter(it)
+        step(next(source)[0])  # start-up is not what is profiled
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step(next(source)[0])
+            if cuda:
+                torch.cuda.synchronize()
+    averages = prof.key_averages()
+    by_device = "cuda_time_total" if cuda else "cpu_time_total"
+    path = out_dir / f"profile-{decode}.txt"
+    path.write_text(
+        f"{steps} fed steps, fastload.DataLoader(decode={decode!r})\n\nby {by_device}\n"
+        + averages.table(sort_by=by_device, row_limit=25)
+        + "\n\nby CPU time\n"
+        + averages.table(sort_by="cpu_time_total", row_limit=25)
+    )
+    return path
