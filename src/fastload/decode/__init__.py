@@ -73,7 +73,10 @@ def choose_backend(backend: Backend, device: str) -> tuple[str, str]:
     if device.startswith("cuda") and dali_installed() and cuda_available():
         return "dali", "DALI and a CUDA device are present: decoding on the GPU"
     if device.startswith("cuda") and not dali_installed():
-        return "cpu", f"no DALI ({DALI_PACKAGE}): decoding on the CPU, transforms on the GPU"
+        return "cpu", (
+            f"no DALI ({DALI_PACKAGE}): decoding and transforming on the CPU, straight into "
+            "the pinned slots the device copies from"
+        )
     from fastload.decode.native_jpeg import native_jpeg_status
 
     return (
