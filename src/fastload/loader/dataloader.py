@@ -47,6 +47,7 @@ from fastload.loader.stats import LoaderStats
 from fastload.manifest import save_snapshot
 from fastload.plan import ResumeState
 from fastload.remote import public_url
+from fastload.resources import memory_share, resources
 from fastload.sampler import ShardedSampler
 
 log = logging.getLogger(__name__)
@@ -347,7 +348,7 @@ class DataLoader(tud.DataLoader[Any]):
         store = builder.dataset.store
         if store.config.fetch.hold_bytes is None:  # hold what the staging window holds
             window = (max(ahead, prefetch) + round_batches) * per_batch
-            store.holding.resize(max(window, _MIN_HOLD_BYTES))
+            store.holding.resize(memory_share(max(window, _MIN_HOLD_BYTES), 1 / 8))
         staging = workers > 0 and ahead > 0
         pipeline = Pipeline(
             items,
@@ -653,6 +654,7 @@ class DataLoader(tud.DataLoader[Any]):
         snapshot["num_workers"] = self.num_workers
         snapshot["device"] = None if self.device is None else str(self.device)
         snapshot["decode"] = self.decode
+        snapshot["resources"] = resources().as_dict()  # the CPUs and memory the defaults read
         if self._ring is not None:
             snapshot["ring"] = self._ring.stats()
         if self._builder is not None and self._builder.holds:
