@@ -228,6 +228,12 @@ class DataLoader(tud.DataLoader[Any]):
         )
         self.ring_slots = ring_slots
         self._plan_sampler = plan_sampler
+        if fast and plan_sampler is not None:
+            # Hugging Face accelerate: prepare() keeps this loader as it is (the plan shards
+            # by rank, device= places batches; its rebuild would be a plain torch loader) and
+            # save_state()/load_state() carry its state_dict().
+            self._is_accelerate_prepared = True
+            self.use_stateful_dataloader = True
         self._resumable = ResumableIndex(super()._index_sampler, generator)
         self._epoch = 0
         self._pending: dict[str, Any] | None = None
@@ -296,6 +302,8 @@ class DataLoader(tud.DataLoader[Any]):
             check_same_dataset(self.dataset)
             self._agreed = True
         pending, self._pending = self._pending, None
+        if self._plan_sampler is not None:  # trainers set the sampler's epoch, not the loader's
+            self._epoch = self._plan_sampler.epoch
         iteration = self._iter_fast(pending) if self._fast else self._iter_torch(pending)
         self._live = weakref.ref(iteration)
         _live_iterations.add(iteration)

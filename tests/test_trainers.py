@@ -1,0 +1,164 @@
+"""fastload under the trainers that drive a loader themselves, on CPU in one process: PyTorch
+Lightning (``Trainer.fit``, checkpoint and ``ckpt_path`` resume through its state_dict hooks,
+with ``fastload.trainers.lightning.ExactResume``) and Hugging Face accelerate
+(``accelerator.prepare(loader)``, ``save_state``/``load_state``). Exact: the batches after a
+resume, pixels of the augmented images included, are those the uninterrupted run saw, and
+the trained weights end equal."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_loader import write_source
+
+import fastload as fl
+from fastload.decode import TrainPreset
+
+SIZE = 16
+BATCH = 8  # 60 samples: 8 batches an epoch, the last one short
+EPOCHS = 3
+STOP_AT = 10  # batches trained before the checkpoint: mid-epoch 1
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("trainers")
+    write_source(root)
+    return root / "folder"
+
+
+def make_loader(folder: Path, cache_dir: Path) -> fl.DataLoader:
+    return fl.DataLoader(
+        str(folder), batch_size=BATCH, shuffle=True, decode="cpu", transform=TrainPreset(SIZE),
+        cache_dir=str(cache_dir), seed=3,
+    )  # fmt: skip
+
+
+def digest(batch: Any) -> str:
+    images, labels = batch
+    return hashlib.md5(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest()
+
+
+def expected_stream(folder: Path, cache_dir: Path) -> list[str]:
+    """The loader's batches for EPOCHS epochs, driven by hand (no trainer)."""
+    loader = make_loader(folder, cache_dir)
+    stream = [digest(batch) for _ in range(EPOCHS) for batch in loader]
+    loader.close()
+    return stream
+
+
+# --- PyTorch Lightning -------------------------------------------------------------------------
+
+
+def lightning_run(
+    folder: Path, cache_dir: Path, checkpoint: Path, *, stop: bool = False, resume: bool = False
+) -> tuple[list[str], torch.Tensor]:
+    L = pytest.importorskip("lightning.pytorch")
+    from fastload.trainers.lightning import ExactResume
+
+    class Model(L.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.linear = torch.nn.Linear(3 * SIZE * SIZE, 3)
+            self.seen: list[str] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen.append(digest(batch))
+            images, labels = batch
+            return torch.nn.functional.cross_entropy(self.linear(images.flatten(1)), labels)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class StopAfter(L.Callback):  # type: ignore[misc, name-defined]
+        """Checkpoints after STOP_AT batches and stops: the job preempted there."""
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == STOP_AT:
+                trainer.save_checkpoint(checkpoint)
+                trainer.should_stop = True
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[ExactResume(), *([StopAfter()] if stop else [])],
+    )  # fmt: skip
+    model = Model()
+    loader = make_loader(folder, cache_dir)
+    path = checkpoint if resume else None
+    trainer.fit(model, loader, ckpt_path=path)
+    loader.close()
+    return model.seen, model.linear.weight.detach().clone()
+
+
+@pytest.mark.slow
+# Lightning 2.6 warns of its own (few workers, a deprecated pytree use on torch 2.13).
+@pytest.mark.filterwarnings(
+    "ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning"
+)
+def test_lightning_fit_resumes_exactly_from_its_checkpoint(folder: Path, tmp_path: Path) -> None:
+    cache, checkpoint = tmp_path / "cache", tmp_path / "mid.ckpt"
+    expected = expected_stream(folder, cache)
+    whole, weights = lightning_run(folder, cache, checkpoint)
+    assert whole == expected  # Lightning's set_epoch reaches the augmentations too
+    first, _ = lightning_run(folder, cache, checkpoint, stop=True)
+    assert first == expected[:STOP_AT]
+    rest, resumed_weights = lightning_run(folder, cache, checkpoint, resume=True)
+    assert rest == expected[STOP_AT:]  # the resumed epoch runs to its end, the next in full
+    assert torch.equal(resumed_weights, weights)
+
+
+# --- Hugging Face accelerate -------------------------------------------------------------------
+
+
+def accelerate_run(
+    folder: Path, cache_dir: Path, state_dir: Path, *, stop: bool = False, resume: bool = False
+) -> tuple[list[str], torch.Tensor]:
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3 * SIZE * SIZE, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = make_loader(folder, cache_dir)
+    model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
+    assert prepared is loader  # not rebuilt into accelerate's torch DataLoaderShard
+    if resume:
+        accelerator.load_state(str(state_dir))
+    seen: list[str] = []
+    for _ in range(loader.epoch, EPOCHS):
+        for batch in prepared:
+            seen.append(digest(batch))
+            images, labels = batch
+            loss = torch.nn.functional.cross_entropy(model(images.flatten(1)), labels)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if stop and len(seen) == STOP_AT:
+                accelerator.save_state(str(state_dir))
+                break
+        if stop and len(seen) == STOP_AT:
+            break
+    assert prepared.stats()["path"] == "fastload"
+    loader.close()
+    return seen, model.weight.detach().clone()
+
+
+@pytest.mark.slow
+def test_accelerate_prepare_keeps_the_loader_and_resumes_exactly(
+    folder: Path, tmp_path: Path
+) -> None:
+    cache, state = tmp_path / "cache", tmp_path / "state"
+    expected = expected_stream(folder, cache)
+    whole, weights = accelerate_run(folder, cache, state)
+    assert whole == expected
+    first, _ = accelerate_run(folder, cache, state, stop=True)
+    assert first == expected[:STOP_AT]
+    rest, resumed_weights = accelerate_run(folder, cache, state, resume=True)
+    assert rest == expected[STOP_AT:]
+    assert torch.equal(resumed_weights, weights)
