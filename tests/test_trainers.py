@@ -7,10 +7,15 @@ the trained weights end equal."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
+import process_group
 import pytest
 import torch
 from test_loader import write_source
@@ -55,7 +60,13 @@ def expected_stream(folder: Path, cache_dir: Path) -> list[str]:
 
 
 def lightning_run(
-    folder: Path, cache_dir: Path, checkpoint: Path, *, stop: bool = False, resume: bool = False
+    folder: Path,
+    cache_dir: Path,
+    checkpoint: Path,
+    *,
+    stop: bool = False,
+    resume: bool = False,
+    devices: int = 1,
 ) -> tuple[list[str], torch.Tensor]:
     L = pytest.importorskip("lightning.pytorch")
     from fastload.trainers.lightning import ExactResume
@@ -84,7 +95,8 @@ def lightning_run(
                 trainer.should_stop = True
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
+        accelerator="cpu", devices=devices, max_epochs=EPOCHS, logger=False,
+        strategy="ddp" if devices > 1 else "auto",
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[ExactResume(), *([StopAfter()] if stop else [])],
@@ -112,6 +124,21 @@ def test_lightning_fit_resumes_exactly_from_its_checkpoint(folder: Path, tmp_pat
     rest, resumed_weights = lightning_run(folder, cache, checkpoint, resume=True)
     assert rest == expected[STOP_AT:]  # the resumed epoch runs to its end, the next in full
     assert torch.equal(resumed_weights, weights)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_lightning_ddp_two_ranks_resume_exactly(folder: Path, tmp_path: Path) -> None:
+    """Two gloo ranks under Lightning's DDP (launched as torchrun would, no sampler swap):
+    each rank trains on its share of the plan, and the checkpoint (rank 0's loader state)
+    resumes both exactly; the ranks' shares are disjoint."""
+    pytest.importorskip("lightning.pytorch")
+    args = ["--folder", str(folder), "--work", str(tmp_path)]
+    ranks = process_group.run_group(__file__, 2, tmp_path / "out", args, timeout_s=300)
+    for got in ranks:  # (the weights' equality is checked in one process above)
+        assert got["first"] == got["expected"][:STOP_AT]
+        assert got["rest"] == got["expected"][STOP_AT:]
+    assert not set(ranks[0]["expected"]) & set(ranks[1]["expected"])
 
 
 # --- Hugging Face accelerate -------------------------------------------------------------------
@@ -162,3 +189,27 @@ def test_accelerate_prepare_keeps_the_loader_and_resumes_exactly(
     rest, resumed_weights = accelerate_run(folder, cache, state, resume=True)
     assert rest == expected[STOP_AT:]
     assert torch.equal(resumed_weights, weights)
+
+
+def _rank_main(argv: list[str]) -> None:
+    """One rank of test_lightning_ddp_two_ranks_resume_exactly (run by process_group)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--folder", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True)
+    a = parser.parse_args(argv)
+    os.environ["LOCAL_RANK"] = os.environ["RANK"]  # Lightning: launched outside, one node
+    rank = int(os.environ["RANK"])
+    cache, checkpoint = a.work / f"cache{rank}", a.work / "mid.ckpt"
+    expected = expected_stream(a.folder, cache)  # the loader alone, this rank's share
+    first, _ = lightning_run(a.folder, cache, checkpoint, stop=True, devices=2)
+    rest, _ = lightning_run(a.folder, cache, checkpoint, resume=True, devices=2)
+    result = {"expected": expected, "first": first, "rest": rest}
+    a.out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore")  # Lightning's own warnings, as in the tests above
+    _rank_main(sys.argv[1:])

@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as L
 
+from fastload.datasets.base import ShardedDataset
 from fastload.loader import DataLoader
 from fastload.sampler import ShardedSampler
 
@@ -47,6 +48,14 @@ class ExactResume(L.Callback):
         loader: Any = trainer.train_dataloader
         if not isinstance(loader, DataLoader):
             return
+        if isinstance(loader.dataset, ShardedDataset) and not isinstance(
+            loader.sampler, ShardedSampler
+        ):
+            raise ValueError(
+                f"Lightning rebuilt the loader around a {type(loader.sampler).__name__}: "
+                "fastload's plan (its order, sharding and exact resume) is gone. Pass "
+                "L.Trainer(use_distributed_sampler=False); the plan shards by rank itself"
+            )
         full = epoch_batches(loader)
         counted = trainer.fit_loop.max_batches
         if full is None or not isinstance(counted, int) or not counted == len(loader) < full:
