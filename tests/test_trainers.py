@@ -149,6 +149,7 @@ def accelerate_run(
 ) -> tuple[list[str], torch.Tensor]:
     accelerate = pytest.importorskip("accelerate")
     accelerator = accelerate.Accelerator(cpu=True)
+    assert accelerator.num_processes == int(os.environ.get("WORLD_SIZE", "1"))  # gloo ranks
     torch.manual_seed(0)
     model = torch.nn.Linear(3 * SIZE * SIZE, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -173,7 +174,7 @@ def accelerate_run(
             break
     assert prepared.stats()["path"] == "fastload"
     loader.close()
-    return seen, model.weight.detach().clone()
+    return seen, accelerator.unwrap_model(model).weight.detach().clone()
 
 
 @pytest.mark.slow
@@ -191,19 +192,39 @@ def test_accelerate_prepare_keeps_the_loader_and_resumes_exactly(
     assert torch.equal(resumed_weights, weights)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_accelerate_two_ranks_resume_exactly(folder: Path, tmp_path: Path) -> None:
+    """Two gloo ranks under accelerate (launched as `accelerate launch` would): prepare()
+    keeps each rank's loader and its share of the plan, save_state/load_state resume both
+    exactly; the ranks' shares are disjoint."""
+    pytest.importorskip("accelerate")
+    args = ["--folder", str(folder), "--work", str(tmp_path), "--trainer", "accelerate"]
+    ranks = process_group.run_group(__file__, 2, tmp_path / "out", args, timeout_s=300)
+    for got in ranks:
+        assert got["first"] == got["expected"][:STOP_AT]
+        assert got["rest"] == got["expected"][STOP_AT:]
+    assert not set(ranks[0]["expected"]) & set(ranks[1]["expected"])
+
+
 def _rank_main(argv: list[str]) -> None:
-    """One rank of test_lightning_ddp_two_ranks_resume_exactly (run by process_group)."""
+    """One rank of the two-rank tests above (run by process_group)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--folder", type=Path, required=True)
     parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--trainer", choices=["lightning", "accelerate"], default="lightning")
     a = parser.parse_args(argv)
-    os.environ["LOCAL_RANK"] = os.environ["RANK"]  # Lightning: launched outside, one node
+    os.environ["LOCAL_RANK"] = os.environ["RANK"]  # launched outside the trainer, one node
     rank = int(os.environ["RANK"])
-    cache, checkpoint = a.work / f"cache{rank}", a.work / "mid.ckpt"
+    cache, checkpoint = a.work / f"cache{rank}", a.work / "mid"
     expected = expected_stream(a.folder, cache)  # the loader alone, this rank's share
-    first, _ = lightning_run(a.folder, cache, checkpoint, stop=True, devices=2)
-    rest, _ = lightning_run(a.folder, cache, checkpoint, resume=True, devices=2)
+    if a.trainer == "lightning":
+        first, _ = lightning_run(a.folder, cache, checkpoint, stop=True, devices=2)
+        rest, _ = lightning_run(a.folder, cache, checkpoint, resume=True, devices=2)
+    else:
+        first, _ = accelerate_run(a.folder, cache, checkpoint, stop=True)
+        rest, _ = accelerate_run(a.folder, cache, checkpoint, resume=True)
     result = {"expected": expected, "first": first, "rest": rest}
     a.out.write_text(json.dumps(result))
 
