@@ -6,6 +6,8 @@
 #   make bench        the full benchmark
 #   make bench-peers  .venv-peers: the peers that need torchvision (mosaicml-streaming,
 #                     litdata; ~5.5 GB with CUDA torch); `make bench` then measures them too
+#   make wheel        binary wheels into dist/ (native paths inside, libjpeg-turbo vendored)
+#   make check-wheel  each wheel into a fresh venv with no compiler, on 3.11, 3.12 and 3.13
 #   make lint / make format
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +15,7 @@ BIN := $(VENV)/bin
 NATIVE_SOURCES := $(wildcard native/*.cpp native/*.hpp native/tests/*.cpp)
 
 .PHONY: build-deps install install-bench check-bare-install test test-native lint format \
-	bench bench-quick bench-peers clean
+	bench bench-quick bench-peers clean wheel check-wheel check-wheel-ci
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +39,26 @@ install-bench: build-deps
 check-bare-install:
 	scripts/check-bare-install $(PYTHON)
 
+# Binary wheels (scripts/build-wheel): cp311, and one abi3 wheel for 3.12 and later.
+wheel:
+	scripts/build-wheel $(PYTHON)
+	scripts/build-wheel $$(scripts/find-python 3.12)
+
+# Each wheel into a fresh venv without a compiler (scripts/check-wheel): 3.11 with torch and a
+# loader epoch, 3.12 and 3.13 without torch (PyPI's Linux torch is the CUDA build, several GB;
+# the CPU index is out of reach here).
+check-wheel: wheel
+	scripts/check-wheel $(PYTHON)
+	scripts/check-wheel $$(scripts/find-python 3.12)
+	scripts/check-wheel $$(scripts/find-python 3.13)
+
+# What `make test` runs (~2.5 min): the abi3 wheel, built and smoke-tested on 3.12 and 3.13
+# (3.11 has the whole suite and the bare install from source).
+check-wheel-ci:
+	scripts/build-wheel $$(scripts/find-python 3.12)
+	scripts/check-wheel $$(scripts/find-python 3.12)
+	scripts/check-wheel $$(scripts/find-python 3.13)
+
 lint: install
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
@@ -56,7 +78,7 @@ test-native: install
 	$(BIN)/cmake --build build/native-tests
 	$(BIN)/ctest --test-dir build/native-tests --output-on-failure
 
-test: lint test-native check-bare-install
+test: lint test-native check-bare-install check-wheel-ci
 	$(BIN)/python -m pytest
 
 bench-quick: install-bench

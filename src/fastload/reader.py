@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fastload.errors import InvalidDestinationError, ReadError, ShortReadError
+from fastload.resources import usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def native_status() -> str:
 def default_num_threads() -> int:
     # Reads from page cache are memcpy-bound (one thread per core suffices) but reads from NVMe
     # or network disks want more requests in flight than there are cores.
-    return min(32, max(4, 2 * (os.cpu_count() or 1)))
+    return min(32, max(4, 2 * usable_cpus()))
 
 
 class ReadRequest(NamedTuple):

@@ -20,13 +20,14 @@ from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import integrity_error, open_filesystem, public_url, refuse_credentials
+from fastload.resources import memory_share
 from fastload.staging import FetchConfig, Holding, Stager, StageResult
 from fastload.staging.planner import Range
 from fastload.staging.range_pool import range_pool
 
 # Bytes held in memory for objects the cache turns away, unless FetchConfig.hold_bytes or a
 # loader (its look-ahead) says otherwise.
-DEFAULT_HOLD_BYTES = 256 << 20
+DEFAULT_HOLD_BYTES = memory_share(256 << 20, 1 / 16)  # lower in a small container
 # Objects a store remembers having looked up (a few batches' worth; then it starts over).
 _RECENT_OBJECTS = 1 << 14
 

@@ -48,9 +48,10 @@ from fastload.datasets.base import (
 from fastload.datasets.lru import ProcessLRU
 from fastload.errors import MissingBackendError
 from fastload.remote.listing import ENCODING as _ENCODING
+from fastload.resources import memory_share
 from fastload.store import CachedStore
 
-DEFAULT_ROW_GROUP_CACHE_BYTES = 256 << 20
+DEFAULT_ROW_GROUP_CACHE_BYTES = memory_share(256 << 20, 1 / 16)  # lower in a small container
 _MAGIC = b"PAR1"
 _TAIL = 8  # the footer's length (uint32, little-endian) and the magic
 _OPEN_THREADS = 16

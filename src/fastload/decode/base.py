@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
@@ -11,6 +10,7 @@ from fastload.decode.limits import DEFAULT_MAX_PIXELS
 from fastload.decode.params import EvalPreset, TrainPreset
 from fastload.errors import DecodeError as DecodeError  # defined below the formats
 from fastload.errors import FastloadError
+from fastload.resources import usable_cpus
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,7 @@ class DecodeConfig:
     device: str = "cpu"
     layout: Literal["NCHW", "NHWC"] = "NCHW"
     on_error: Literal["raise", "skip"] = "raise"
-    num_threads: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    num_threads: int = field(default_factory=usable_cpus)  # the container's CPUs, not the host's
     max_pixels: int = DEFAULT_MAX_PIXELS
 
     def __post_init__(self) -> None:

@@ -71,7 +71,12 @@ from fastload.decode.base import (
 )
 from fastload.decode.jpeg_scans import missing_scans
 from fastload.decode.limits import DEFAULT_MAX_PIXELS, JPEG_MAX_PIXELS_PER_BYTE, oversize
-from fastload.decode.native_jpeg import jpeg_transform, native_jpeg_available, native_jpeg_status
+from fastload.decode.native_jpeg import (
+    jpeg_transform,
+    native_jpeg_available,
+    native_jpeg_status,
+    warn_missing_once,
+)
 from fastload.decode.params import Augment, EvalPreset, TrainPreset, augment_for, augments
 
 __all__ = ["MAX_PIXELS", "CPUDecoder", "decode_rgb"]
@@ -363,6 +368,8 @@ class CPUDecoder:
             if self._pid != os.getpid():  # first use, or first use in a forked child
                 if self.native:
                     self._jpeg = jpeg_transform(self.config.num_threads)
+                elif self._preset is not None and self.device.type == "cpu":
+                    warn_missing_once()
                 self._pool = ThreadPoolExecutor(
                     self.config.num_threads,
                     thread_name_prefix="fastload-decode",

@@ -43,6 +43,23 @@ def _load() -> tuple[ModuleType | None, str]:
 
 
 _module, _status = _load()
+_warned = False
+
+
+def warn_missing_once() -> None:
+    """At the first decode that could have used the native transform, says once per process
+    that it is missing and how to get it: a source install without libjpeg-turbo's headers
+    otherwise decodes several times slower without a word. Not when it was turned off."""
+    global _warned
+    if _module is not None or _warned or _status.startswith("disabled"):
+        return
+    _warned = True
+    log.warning(
+        "fastload decodes JPEGs on its slower Python path: the native JPEG transform is "
+        "missing (%s). The prebuilt wheel (pip install --only-binary fastload fastload) "
+        "carries it.",
+        _status,
+    )
 
 
 def native_jpeg_available() -> bool:

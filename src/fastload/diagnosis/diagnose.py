@@ -25,6 +25,7 @@ from fastload.diagnosis.prices import SPOT_DISCOUNT, Price, price_for
 from fastload.diagnosis.report import SCHEMA_VERSION, Applied, Phase, Report
 from fastload.diagnosis.steps import Step, model_step
 from fastload.errors import FastloadError
+from fastload.resources import container_note, resources, usable_cpus
 from fastload.store import CachedStore
 
 # Seconds each measured phase runs for (it may run over to reach MIN_BATCHES batches).
@@ -150,11 +151,9 @@ class _Diagnosis:
         self.rank, self.world_size, self.lws = world
         self.phase_s, self.bar, self.notes = phase_s, progress, notes
         self.batch_size = int(settings.get("batch_size") or 1)
-        self.cores = (
-            float(len(os.sched_getaffinity(0)))
-            if hasattr(os, "sched_getaffinity")
-            else float(os.cpu_count() or 1)
-        )
+        self.cores = float(usable_cpus())  # affinity and the cgroup's quota
+        if note := container_note():
+            notes.append(note)
         if self.lws > 1:
             notes.append(
                 f"measured in one process on {self.cores:g} cores; with {self.lws} ranks on the "
@@ -323,6 +322,7 @@ class _Diagnosis:
                 "cores_per_rank": round(per_rank, 3),
                 "loader_cores_beside_step": round(max(0.0, per_rank - model.step_cores), 3),
                 "device": _plain(self.settings.get("device")),
+                "resources": resources().as_dict(),
             },
             step={
                 **self.step.to_dict(),

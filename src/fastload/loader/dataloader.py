@@ -48,6 +48,7 @@ from fastload.loader.stats import LoaderStats
 from fastload.manifest import save_snapshot
 from fastload.plan import ResumeState
 from fastload.remote import public_url
+from fastload.resources import memory_share, resources
 from fastload.sampler import ShardedSampler
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,12 @@ class DataLoader(tud.DataLoader[Any]):
         )
         self.ring_slots = ring_slots
         self._plan_sampler = plan_sampler
+        if fast and plan_sampler is not None:
+            # Hugging Face accelerate: prepare() keeps this loader as it is (the plan shards
+            # by rank, device= places batches; its rebuild would be a plain torch loader) and
+            # save_state()/load_state() carry its state_dict().
+            self._is_accelerate_prepared = True
+            self.use_stateful_dataloader = True
         self._resumable = ResumableIndex(super()._index_sampler, generator)
         self._epoch = 0
         self._pending: dict[str, Any] | None = None
@@ -296,6 +303,8 @@ class DataLoader(tud.DataLoader[Any]):
             check_same_dataset(self.dataset)
             self._agreed = True
         pending, self._pending = self._pending, None
+        if self._plan_sampler is not None:  # trainers set the sampler's epoch, not the loader's
+            self._epoch = self._plan_sampler.epoch
         iteration = self._iter_fast(pending) if self._fast else self._iter_torch(pending)
         self._live = weakref.ref(iteration)
         _live_iterations.add(iteration)
@@ -348,7 +357,7 @@ class DataLoader(tud.DataLoader[Any]):
         store = builder.dataset.store
         if store.config.fetch.hold_bytes is None:  # hold what the staging window holds
             window = (max(ahead, prefetch) + round_batches) * per_batch
-            store.holding.resize(max(window, _MIN_HOLD_BYTES))
+            store.holding.resize(memory_share(max(window, _MIN_HOLD_BYTES), 1 / 8))
         staging = workers > 0 and ahead > 0
         pipeline = Pipeline(
             items,
@@ -663,6 +672,7 @@ class DataLoader(tud.DataLoader[Any]):
         snapshot["num_workers"] = self.num_workers
         snapshot["device"] = None if self.device is None else str(self.device)
         snapshot["decode"] = self.decode
+        snapshot["resources"] = resources().as_dict()  # the CPUs and memory the defaults read
         if self._ring is not None:
             snapshot["ring"] = self._ring.stats()
         if self._builder is not None and self._builder.holds:

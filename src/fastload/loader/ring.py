@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -61,6 +60,7 @@ import torch
 
 from fastload.errors import FastloadError
 from fastload.reader import aligned_empty
+from fastload.resources import usable_cpus
 
 __all__ = [
     "CudaEngine",
@@ -323,8 +323,7 @@ def _host_register(ptr: int, nbytes: int, device: torch.device) -> tuple[int, st
 def _default_pack_threads() -> int:
     """Half the usable cores, at most 8: enough to beat one thread's memcpy several times
     over, leaving the rest to decoding and the training step."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(8, (cores or 1) // 2))
+    return max(1, min(8, usable_cpus() // 2))
 
 
 def _layout(tensors: list[torch.Tensor], in_slot: list[int | None]) -> tuple[list[_Placed], int]:

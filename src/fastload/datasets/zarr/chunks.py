@@ -19,8 +19,9 @@ import numpy.typing as npt
 
 from fastload.datasets.base import DatasetError
 from fastload.datasets.lru import ProcessLRU
+from fastload.resources import memory_share
 
-DEFAULT_CHUNK_CACHE_BYTES = 256 << 20
+DEFAULT_CHUNK_CACHE_BYTES = memory_share(256 << 20, 1 / 16)  # lower in a small container
 ENTRY_OVERHEAD_BYTES = 256  # counted per cached entry, so fill-only ones are bounded too
 
 Array = npt.NDArray[Any]
