@@ -26,7 +26,7 @@ from conftest import Remote
 from test_dataset_tar import read_with_tarfile, tar_bytes, webdataset_shards
 from test_dataset_tar import serve as serve_dataset
 
-from fastload import ShardedSampler
+from fastload import ShardedSampler, safe_files
 from fastload.datasets import DatasetError, open_dataset
 from fastload.datasets.tar import (
     INDEX_NAME,
@@ -207,14 +207,16 @@ def test_member_headers_are_recognised_in_every_tar_format(fmt: int) -> None:
 
 
 def rewrite_index(folder: Path, change: Any) -> None:
-    """Applies change(header) to the JSON header of folder's fastload index."""
-    data = (folder / INDEX_NAME).read_bytes()
+    """Applies change(header) to the JSON header of folder's fastload index, sealed again
+    (a checksum that holds: the numbers themselves must be checked)."""
+    data = safe_files.unsealed((folder / INDEX_NAME).read_bytes())
+    assert data is not None
     (length,) = struct.unpack_from("<Q", data, 8)
     header = json.loads(data[16 : 16 + length])
     change(header)
     text = json.dumps(header).encode()
     (folder / INDEX_NAME).write_bytes(
-        data[:8] + struct.pack("<Q", len(text)) + text + data[16 + length :]
+        safe_files.sealed(data[:8] + struct.pack("<Q", len(text)) + text + data[16 + length :])
     )
 
 
