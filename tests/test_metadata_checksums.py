@@ -90,7 +90,8 @@ def test_a_damaged_cached_tar_index_is_rebuilt_not_read(
     (n,) = struct.unpack_from("<Q", data, 8)
     header = data[16 : 16 + n]
     assert b'"samples": 5' in header
-    damaged.write_bytes(data[:16] + header.replace(b'"samples": 5', b'"samples": 4') + data[16 + n :])
+    fewer = header.replace(b'"samples": 5', b'"samples": 4')
+    damaged.write_bytes(data[:16] + fewer + data[16 + n :])
 
     with caplog.at_level(logging.WARNING, logger="fastload"):
         ds = fl.open_dataset(str(root), format="tar", cache_dir=str(cache))

@@ -79,7 +79,6 @@ class RemoteObject:
 Int64s = npt.NDArray[np.int64]
 
 
-
 def _saved_arrays(path: Path) -> dict[str, np.ndarray] | None:
     """The arrays :meth:`Manifest.derived` saved at path, or None where there are none, or
     none to trust: a file whose checksum fails (damaged, or written before files carried
@@ -105,6 +104,7 @@ def _saved_arrays(path: Path) -> dict[str, np.ndarray] | None:
     except (OSError, ValueError, KeyError, EOFError) as exc:
         log.warning("fastload: rebuilding %s, which cannot be read: %s", path, exc)
         return None
+
 
 class Manifest:
     """A dataset's listing in columns (see the module docstring), sorted by key.
