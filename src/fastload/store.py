@@ -20,6 +20,7 @@ from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import integrity_error, open_filesystem, public_url, refuse_credentials
+from fastload.remote.range_file import RangeFile
 from fastload.staging import FetchConfig, Holding, Stager, StageResult
 from fastload.staging.planner import Range
 from fastload.staging.range_pool import range_pool
@@ -295,6 +296,15 @@ class CachedStore:
             finally:
                 lock.release()
         return self._read_remote(obj, offset, length), True
+
+    def stream(self, key: str, block_bytes: int) -> RangeFile:
+        """key's object straight from the remote as a file, ``block_bytes`` a request, not
+        cached: every request pinned at the listed version and retried as staged fetches are
+        (an object that changed since the listing is a RemoteChangedError naming it)."""
+        obj = self.object(key)
+        return RangeFile(
+            lambda start, end: self._read_remote(obj, start, end - start), obj.size, block_bytes
+        )
 
     def _read_remote(self, obj: RemoteObject, offset: int, length: int | None) -> bytes:
         end = None if length is None else offset + length
