@@ -64,6 +64,7 @@ class Location:
     path: str
     offset: int
     size: int
+    checksum: int | None = None  # xxh3 of the bytes, as the index records it (read_checks.py)
 
     def read(self, start: int = 0, length: int | None = None) -> bytes:
         """Bytes [start, start + length) of the entry (to its end if length is None)."""
@@ -238,10 +239,12 @@ class Storage:
     def segment_path(self, segment: int) -> str:
         return f"{self._segments}/{segment}.seg"
 
-    def location(self, oid: str, segment: int | None, position: int, size: int) -> Location:
+    def location(
+        self, oid: str, segment: int | None, position: int, size: int, checksum: int | None = None
+    ) -> Location:
         if segment is None:
-            return Location(self.object_path(oid), 0, size)
-        return Location(self.segment_path(segment), position, size)
+            return Location(self.object_path(oid), 0, size, checksum)
+        return Location(self.segment_path(segment), position, size, checksum)
 
     @staticmethod
     def intact(location: Location, *, packed: bool) -> bool:
