@@ -30,7 +30,7 @@ import errno
 import fcntl
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -64,7 +64,8 @@ class Location:
     path: str
     offset: int
     size: int
-    checksum: int | None = None  # xxh3 of the bytes, as the index records it (read_checks.py)
+    # xxh3 of the bytes, as the index records it (read_checks.py): what they are, not where
+    checksum: int | None = field(default=None, compare=False)
 
     def read(self, start: int = 0, length: int | None = None) -> bytes:
         """Bytes [start, start + length) of the entry (to its end if length is None)."""
