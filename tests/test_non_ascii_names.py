@@ -112,7 +112,7 @@ def test_parquet_file_names_with_such_names(
         pq.write_table(pa.table({"image": images, "label": labels}), out, row_group_size=2)
         (folder / f"{f} {name}.parquet").write_bytes(out.getvalue())
         want.append([(i, lab) for i, lab in zip(images, labels, strict=True)])
-    # the dataset's order is the listing's (sorted keys): "0 clåss.parquet", "1 cafe´..."
+    # the dataset reads files in the listing's order (sorted keys: "0 ...", "1 ...")
     expected = [row for rows in want for row in rows]
     ds = open_s3(server, "pärquet", tmp_path / "c", format="parquet")
     assert len(ds) == len(expected)
