@@ -144,3 +144,27 @@ def test_a_damaged_tar_shard_read_in_part_is_refetched(tmp_path: Path) -> None:
         before = gets(server, "tars/shard-1.tar")
         assert samples() == right
         assert gets(server, "tars/shard-1.tar") == before + 1
+
+
+def test_verify_reads_false_trusts_the_cached_bytes(
+    served: tuple[S3FolderServer, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """The opt-out reads what is on disk, as before the checks (``fastload cache verify``
+    still finds it)."""
+    server, files = served
+    cache = tmp_path / "c"
+    ds = open_files(server, cache)
+    assert next(iter(fl.DataLoader(ds, batch_size=len(ds), collate_fn=list)))
+    flip_a_bit(cache, f"s3://data/{BIG}", at=5)
+    trusting = fl.open_dataset(
+        "s3://data/ds",
+        format="files",
+        cache_dir=str(cache),
+        storage_options=server.storage_options,
+        verify_reads=False,
+    )
+    (batch,) = list(fl.DataLoader(trusting, batch_size=len(ds), shuffle=False, collate_fn=list))
+    assert files[BIG] not in batch  # the damaged copy, as it is on disk
+    assert gets(server, BIG) == 1
+    with Cache(cache, create=False) as c:
+        assert [url for url, _ in c.verify(repair=False)] == [f"s3://data/{BIG}"]

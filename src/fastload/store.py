@@ -52,6 +52,7 @@ class StoreConfig:
     refresh: bool = False
     ttl_s: float | None = None
     fetch: FetchConfig = field(default_factory=FetchConfig)
+    verify_reads: bool = True  # cached bytes checked against their checksums on read
 
     def __post_init__(self) -> None:
         refuse_credentials(self.url)  # before the URL is listed, logged or kept anywhere
@@ -94,7 +95,9 @@ class CachedStore:
         if self._pid == os.getpid():
             return
         c = self.config
-        self._cache = Cache(c.cache_dir, max_bytes=c.max_bytes, policy=c.policy)
+        self._cache = Cache(
+            c.cache_dir, max_bytes=c.max_bytes, policy=c.policy, verify_reads=c.verify_reads
+        )
         self._stager = None
         hold_bytes = c.fetch.hold_bytes
         self._holding = Holding(DEFAULT_HOLD_BYTES if hold_bytes is None else hold_bytes)

@@ -132,9 +132,12 @@ class Cache:
         fsync: bool = False,
         segment_bytes: int | None = None,
         create: bool = True,
+        verify_reads: bool = True,
     ) -> None:
         """``create=False`` opens only an existing cache (a CacheError names the folder
-        otherwise), for tools that inspect one rather than fill it."""
+        otherwise), for tools that inspect one rather than fill it. ``verify_reads=False``
+        trusts cached bytes on read (see read_checks.py; ``fastload cache verify`` still
+        checks them)."""
         self.config = CacheConfig(
             cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
             max_bytes=max_bytes,
@@ -180,7 +183,7 @@ class Cache:
         # Bytes compaction may still copy (compaction.py): one segment's worth to start with.
         self.compaction_credit = self.storage.segment_bytes
         self.pending_rewrites: list[compaction.Rewrite] = []  # done when their commit is
-        self.read_checks = ReadChecks()  # entries hashed whole before a read of part of them
+        self.read_checks = ReadChecks(enabled=verify_reads)  # read_checks.py
         self._sweep()
 
     def _sweep(self) -> None:

@@ -58,7 +58,8 @@ class ReadChecks:
     """Entries of this process already found to match their checksum (see the module
     docstring); thread-safe."""
 
-    def __init__(self, remembered: int = _REMEMBERED) -> None:
+    def __init__(self, *, enabled: bool = True, remembered: int = _REMEMBERED) -> None:
+        self.enabled = enabled  # off: every read trusts the bytes (``verify_reads=False``)
         self._remembered = remembered
         self._checked: OrderedDict[tuple[str, int, int], None] = OrderedDict()
         self._lock = threading.Lock()
@@ -66,7 +67,7 @@ class ReadChecks:
     def whole_entry_holds(self, location: Location) -> bool:
         """Whether location's bytes match its checksum (hashed now unless they were lately;
         True where the index records no xxh3 checksum)."""
-        if location.checksum is None:
+        if not self.enabled or location.checksum is None:
             return True
         key = (location.path, location.offset, location.checksum)
         with self._lock:

@@ -319,7 +319,7 @@ class BatchBuilder:
         buffer = context.buffer_of(total)
         requests = []
         where: list[list[tuple[int, int]] | None] = []
-        checks = EntryChecks()
+        checks = EntryChecks(enabled=self.dataset.store.cache.read_checks.enabled)
         at = 0
         for rs, ok in zip(ranges, native, strict=True):
             if not ok or rs is None:
