@@ -151,6 +151,7 @@ def _stream_members(
         callback = ProgressBar(len(shards), sum(size or 0 for _, _, size in shards))
     counts = Progress(callback=callback)
     found: list[list[Member]] = [[] for _ in shards]
+    assert store.stager is not None  # made here, once, before the threads share it
     with ThreadPoolExecutor(jobs, thread_name_prefix="fastload-tar-index") as pool:
         futures = {pool.submit(_stream_scan, store, *shard): i for i, shard in enumerate(shards)}
         try:
