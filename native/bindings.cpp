@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "checksum.hpp"
 #include "reader.hpp"
 
 namespace nb = nanobind;
@@ -131,6 +132,43 @@ ByteArray aligned_empty(std::size_t nbytes, std::size_t alignment) {
   return ByteArray(reinterpret_cast<std::uint8_t*>(ptr), {nbytes}, owner);
 }
 
+using SpanTable = nb::ndarray<const std::int64_t, nb::shape<-1, 2>, nb::c_contig, nb::device::cpu>;
+using UInt64Array = nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>;
+
+UInt64Array xxh3_spans(nb::handle data, const SpanTable& table) {
+  Py_buffer view{};
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+    PyErr_Clear();
+    throw nb::value_error("data must be a C-contiguous buffer");
+  }
+  const std::size_t n = table.shape(0);
+  std::vector<fastload::Span> spans(n);
+  auto rows = table.view();
+  const auto size = static_cast<std::uint64_t>(view.len);
+  for (std::size_t r = 0; r < n; ++r) {
+    const std::int64_t offset = rows(r, 0), length = rows(r, 1);
+    if (offset < 0 || length < 0 || static_cast<std::uint64_t>(offset) > size ||
+        static_cast<std::uint64_t>(length) > size - static_cast<std::uint64_t>(offset)) {
+      PyBuffer_Release(&view);
+      throw nb::value_error(("span " + std::to_string(r) + " (" + std::to_string(offset) + ", " +
+                             std::to_string(length) + ") is not inside the " +
+                             std::to_string(size) + " bytes of data")
+                                .c_str());
+    }
+    spans[r] = {static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length)};
+  }
+  std::vector<std::uint64_t> sums;
+  {
+    nb::gil_scoped_release release;
+    sums = fastload::xxh3_spans(static_cast<const std::byte*>(view.buf), spans);
+  }
+  PyBuffer_Release(&view);
+  auto* out = new std::uint64_t[n == 0 ? 1 : n];
+  std::copy(sums.begin(), sums.end(), out);
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  return UInt64Array(out, {n}, owner);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -145,6 +183,10 @@ NB_MODULE(_native, m) {
            "Reads requests (rows of file index, offset, length, destination index, destination\n"
            "offset) into the destinations with the GIL released. Returns bytes read per request\n"
            "or -errno.");
+
+  m.def("xxh3_spans", &xxh3_spans, "data"_a, "spans"_a,
+        "XXH3-64 of data[offset:offset + length] for each row (offset, length) of spans, with\n"
+        "the GIL released: the checksums the cache's index records, for a batch at once.");
 
   m.def("aligned_empty", &aligned_empty, "nbytes"_a, "alignment"_a = 4096,
         "An uninitialized uint8 numpy array whose data starts on an alignment boundary.");

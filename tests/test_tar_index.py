@@ -26,7 +26,7 @@ from conftest import Remote
 from test_dataset_tar import read_with_tarfile, tar_bytes, webdataset_shards
 from test_dataset_tar import serve as serve_dataset
 
-from fastload import ShardedSampler
+from fastload import ShardedSampler, safe_files
 from fastload.datasets import DatasetError, open_dataset
 from fastload.datasets.tar import (
     INDEX_NAME,
@@ -207,14 +207,16 @@ def test_member_headers_are_recognised_in_every_tar_format(fmt: int) -> None:
 
 
 def rewrite_index(folder: Path, change: Any) -> None:
-    """Applies change(header) to the JSON header of folder's fastload index."""
-    data = (folder / INDEX_NAME).read_bytes()
+    """Applies change(header) to the JSON header of folder's fastload index, sealed again
+    (a checksum that holds: the numbers themselves must be checked)."""
+    data = safe_files.unsealed((folder / INDEX_NAME).read_bytes())
+    assert data is not None
     (length,) = struct.unpack_from("<Q", data, 8)
     header = json.loads(data[16 : 16 + length])
     change(header)
     text = json.dumps(header).encode()
     (folder / INDEX_NAME).write_bytes(
-        data[:8] + struct.pack("<Q", len(text)) + text + data[16 + length :]
+        safe_files.sealed(data[:8] + struct.pack("<Q", len(text)) + text + data[16 + length :])
     )
 
 
@@ -597,3 +599,51 @@ def test_indexing_beside_a_hub_dataset_is_refused_in_one_line(
     stats = hub_shards.stats()
     assert stats.get("upload", 0) == 0
     assert stats.get("resolve", 0) == 0  # refused before a shard was read
+
+
+@pytest.mark.parametrize("kind", ["http", "s3"])
+def test_fastload_index_reads_each_shard_at_its_listed_version(
+    kind: str, tmp_path: Path, shards: dict[str, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: the writer streamed shards through ``fs.open``, unpinned: a shard rewritten
+    while it was read was indexed from a mix of versions, under the listed one."""
+    import threading
+
+    from fastload.datasets.tar import writer
+    from fastload.errors import RemoteChangedError
+    from fastload.testing import RemoteBehavior
+
+    name = sorted(shards)[0]
+    data = shards[name]
+    # The shard is rewritten (same size, another member layout) once the first read of it
+    # has come, a second before its answer (the server's time to first byte); it is read
+    # in two requests. (The first read: a GET over HTTP, whose listing sends HEADs; any
+    # request over S3, where s3fs's HEAD would otherwise pin the new version.)
+    monkeypatch.setattr(writer, "SCAN_READ_BYTES", (len(data) // 2 + 511) // 512 * 512)
+    other = bytearray(data)
+    other[512:1024] = bytes(512)  # the second member's header is gone
+    with serve(kind, tmp_path, {name: data}) as remote:
+        assert remote.server is not None
+        remote.server.set_behavior(RemoteBehavior(latency_s=1.0))
+        stop = threading.Event()
+        path = f"{'/data/ds' if kind == 's3' else '/ds'}/{name}"
+        method = None if kind == "s3" else "GET"
+
+        def rewrite_after_the_first_read() -> None:
+            while not stop.wait(0.01):
+                if remote.server.stats().count(path=path, method=method) >= 1:
+                    if isinstance(remote.server, S3FolderServer):
+                        remote.server.put("data", f"ds/{name}", bytes(other))
+                    else:
+                        remote.replace(name, bytes(other))
+                    return
+
+        thread = threading.Thread(target=rewrite_after_the_first_read)
+        thread.start()
+        try:
+            with pytest.raises(RemoteChangedError, match=name):
+                index_of(remote, tmp_path / "c", to="cache")
+        finally:
+            stop.set()
+            thread.join()
+        assert not list((tmp_path / "c" / "indexes").glob("*.flidx"))

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "checksum.hpp"
 #include "reader.hpp"
 
 namespace {
@@ -123,6 +124,19 @@ void test_aligned_alloc() {
   }
 }
 
+// The values Python's xxhash.xxh3_64 gives (what the cache's index records).
+void test_xxh3_spans_match_the_index() {
+  std::vector<std::byte> data(8 + 5120);
+  const char* word = "fastload";
+  for (int i = 0; i < 8; ++i) data[i] = static_cast<std::byte>(word[i]);
+  for (int i = 0; i < 5120; ++i) data[8 + i] = static_cast<std::byte>(i % 256);
+  const auto got = fastload::xxh3_spans(data.data(), {{0, 0}, {0, 8}, {8, 5120}});
+  CHECK(got.size() == 3);
+  CHECK(got[0] == 0x2d06800538d394c2ULL);
+  CHECK(got[1] == 0xaf0d5ff85110f150ULL);
+  CHECK(got[2] == 0xf875f2fa2e99df80ULL);
+}
+
 }  // namespace
 
 int main() {
@@ -133,6 +147,7 @@ int main() {
   test_caller_fd_stays_open();
   test_concurrent_batches();
   test_aligned_alloc();
+  test_xxh3_spans_match_the_index();
   if (failures == 0) std::puts("native tests passed");
   return failures == 0 ? 0 : 1;
 }

@@ -28,6 +28,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -51,7 +52,14 @@ from fastload.remote import public_url
 from fastload.remote.crawl import list_remote
 from fastload.remote.listing import ENCODING as _ENCODING
 from fastload.remote.listing import Listing
-from fastload.safe_files import open_exclusive, own_folder, unsafe, write_atomically
+from fastload.safe_files import (
+    open_exclusive,
+    own_folder,
+    sealed,
+    unsafe,
+    unsealed,
+    write_atomically,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,33 @@ class RemoteObject:
 
 
 Int64s = npt.NDArray[np.int64]
+
+
+def _saved_arrays(path: Path) -> dict[str, np.ndarray] | None:
+    """The arrays :meth:`Manifest.derived` saved at path, or None where there are none, or
+    none to trust: a file whose checksum fails (damaged, or written before files carried
+    one) is named in the log and made again."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("fastload: rebuilding %s, which cannot be read: %s", path, exc)
+        return None
+    payload = unsealed(data)
+    if payload is None:
+        log.warning(
+            "fastload: rebuilding %s: its checksum does not hold (damaged, or written by "
+            "a fastload older than checksums)",
+            path,
+        )
+        return None
+    try:
+        with np.load(io.BytesIO(payload), allow_pickle=False) as saved:
+            return {k: saved[k] for k in saved.files}
+    except (OSError, ValueError, KeyError, EOFError) as exc:
+        log.warning("fastload: rebuilding %s, which cannot be read: %s", path, exc)
+        return None
 
 
 class Manifest:
@@ -268,15 +303,15 @@ class Manifest:
         if self.path is None:
             return {k: np.asarray(v) for k, v in make().items()}
         path = self.path.with_name(f"{self.path.stem}.{name}.npz")
-        try:
-            with np.load(path, allow_pickle=False) as saved:
-                if float(saved["listed_at"]) == self.listed_at:
-                    return {k: saved[k] for k in saved.files if k != "listed_at"}
-        except (OSError, ValueError, KeyError, EOFError):
-            pass  # none yet, from an older listing, or unreadable: make it
+        saved = _saved_arrays(path)
+        if saved is not None and float(saved.pop("listed_at", np.nan)) == self.listed_at:
+            return saved
         arrays = {k: np.asarray(v) for k, v in make().items()}
         payload: dict[str, Any] = {"listed_at": np.float64(self.listed_at), **arrays}
-        write_atomically(path, lambda f: np.savez(f, **payload))  # never through a link
+        out = io.BytesIO()
+        np.savez(out, **payload)
+        # checksummed: a damaged file is made again, never read as labels or a format
+        write_atomically(path, sealed(out.getvalue()))  # never through a link
         return arrays
 
     # --- the file --------------------------------------------------------------------------

@@ -9,6 +9,10 @@ existing name, a link included, is never opened), in a folder checked not to be 
 renamed over its final name (a rename replaces a link, never writes through it); a link
 where fastload expects a file or folder of its own is an :class:`UnsafeCachePathError`
 naming it.
+
+Metadata files fastload writes for itself (a dataset's derived layout, a tar index) also
+end in a checksum (:func:`sealed`); a file whose checksum fails is never used, only rebuilt
+(:func:`unsealed`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
+
+import xxhash
 
 from fastload.errors import UnsafeCachePathError
 
@@ -102,3 +108,26 @@ def write_atomically(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# --- checksummed metadata ------------------------------------------------------------------
+
+# The trailer of a checksummed file: this tag, then xxh3-64 of everything before it.
+_SEAL_TAG = b"FLSEAL01"
+SEAL_BYTES = len(_SEAL_TAG) + 8
+
+
+def sealed(payload: bytes) -> bytes:
+    """payload followed by its checksum trailer (what :func:`unsealed` checks)."""
+    return payload + _SEAL_TAG + xxhash.xxh3_64_digest(payload)
+
+
+def unsealed(data: bytes) -> bytes | None:
+    """The payload of a file written as :func:`sealed`, or None where its checksum (or
+    the trailer itself) does not hold: a damaged file, or one written without a seal."""
+    if len(data) < SEAL_BYTES or data[-SEAL_BYTES:-8] != _SEAL_TAG:
+        return None
+    payload = data[:-SEAL_BYTES]
+    if xxhash.xxh3_64_digest(payload) != data[-8:]:
+        return None
+    return payload

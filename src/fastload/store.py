@@ -20,6 +20,7 @@ from fastload.cache import Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import integrity_error, open_filesystem, public_url, refuse_credentials
+from fastload.remote.range_file import RangeFile
 from fastload.resources import memory_share
 from fastload.staging import FetchConfig, Holding, Stager, StageResult
 from fastload.staging.planner import Range
@@ -52,6 +53,7 @@ class StoreConfig:
     refresh: bool = False
     ttl_s: float | None = None
     fetch: FetchConfig = field(default_factory=FetchConfig)
+    verify_reads: bool = True  # cached bytes checked against their checksums on read
 
     def __post_init__(self) -> None:
         refuse_credentials(self.url)  # before the URL is listed, logged or kept anywhere
@@ -94,7 +96,9 @@ class CachedStore:
         if self._pid == os.getpid():
             return
         c = self.config
-        self._cache = Cache(c.cache_dir, max_bytes=c.max_bytes, policy=c.policy)
+        self._cache = Cache(
+            c.cache_dir, max_bytes=c.max_bytes, policy=c.policy, verify_reads=c.verify_reads
+        )
         self._stager = None
         hold_bytes = c.fetch.hold_bytes
         self._holding = Holding(DEFAULT_HOLD_BYTES if hold_bytes is None else hold_bytes)
@@ -296,6 +300,15 @@ class CachedStore:
             finally:
                 lock.release()
         return self._read_remote(obj, offset, length), True
+
+    def stream(self, key: str, block_bytes: int) -> RangeFile:
+        """key's object straight from the remote as a file, ``block_bytes`` a request, not
+        cached: every request pinned at the listed version and retried as staged fetches are
+        (an object that changed since the listing is a RemoteChangedError naming it)."""
+        obj = self.object(key)
+        return RangeFile(
+            lambda start, end: self._read_remote(obj, start, end - start), obj.size, block_bytes
+        )
 
     def _read_remote(self, obj: RemoteObject, offset: int, length: int | None) -> bytes:
         end = None if length is None else offset + length

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import functools
 import hashlib
+import logging
 import os
 import sqlite3
 import threading
@@ -24,8 +25,11 @@ from fastload.cache.config import CacheConfig, Policy, default_cache_dir
 from fastload.cache.eviction import PlanRanking, Victim, lru_order, plan_order
 from fastload.cache.index import Entry, Index
 from fastload.cache.locks import FetchLock, FetchLocks
+from fastload.cache.read_checks import ReadChecks, checksum_value
 from fastload.cache.storage import Location, PartFile, Storage, disk_error
 from fastload.errors import CacheCorruptError, CacheError
+
+log = logging.getLogger(__name__)
 
 Span: TypeAlias = tuple[int, int]  # (start, length) of a byte range of an object
 
@@ -128,9 +132,12 @@ class Cache:
         fsync: bool = False,
         segment_bytes: int | None = None,
         create: bool = True,
+        verify_reads: bool = True,
     ) -> None:
         """``create=False`` opens only an existing cache (a CacheError names the folder
-        otherwise), for tools that inspect one rather than fill it."""
+        otherwise), for tools that inspect one rather than fill it. ``verify_reads=False``
+        trusts cached bytes on read (see read_checks.py; ``fastload cache verify`` still
+        checks them)."""
         self.config = CacheConfig(
             cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
             max_bytes=max_bytes,
@@ -176,6 +183,7 @@ class Cache:
         # Bytes compaction may still copy (compaction.py): one segment's worth to start with.
         self.compaction_credit = self.storage.segment_bytes
         self.pending_rewrites: list[compaction.Rewrite] = []  # done when their commit is
+        self.read_checks = ReadChecks(enabled=verify_reads)  # read_checks.py
         self._sweep()
 
     def _sweep(self) -> None:
@@ -211,7 +219,9 @@ class Cache:
         self.index.note_uses([object_id(u) for u in urls])
 
     def location_of(self, entry: Entry) -> Location:
-        return self.storage.location(entry.id, entry.segment, entry.position, entry.size)
+        return self.storage.location(
+            entry.id, entry.segment, entry.position, entry.size, checksum_value(entry.checksum)
+        )
 
     # --- lookup and use ----------------------------------------------------------------------
 
@@ -259,7 +269,8 @@ class Cache:
             ):
                 out.append(None)
             else:
-                out.append(self.storage.location(oid, at.segment, at.position, at.size))
+                checksum = checksum_value(at.checksum)
+                out.append(self.storage.location(oid, at.segment, at.position, at.size, checksum))
         return out
 
     @contextlib.contextmanager
@@ -288,12 +299,30 @@ class Cache:
             # replaced by a new version under the same name, so that needs the index again.
             now = entry if entry.segment is not None else self.index.entry(oid)
             if now is not None and _same_bytes(now, entry):  # still the one whose file we hold
+                if not self.read_checks.whole_entry_holds(location):
+                    os.close(fd)
+                    self.drop_corrupt(
+                        entry.url, None if entry.start is None else (entry.start, entry.size)
+                    )
+                    return None  # the caller fetches it again
                 if self.plan is not None:
                     self.plan.advance(oid)
                 self.index.note_use(oid)
                 return fd, location
             os.close(fd)
         return None
+
+    def drop_corrupt(self, url: str, span: Span | None = None) -> None:
+        """Drops an entry whose bytes failed their checksum on read (it is fetched again),
+        saying so once, naming it."""
+        if self.drop(url, span):
+            log.warning(
+                "fastload: the cached copy of %s%s did not match its checksum (damaged on "
+                "disk); it was dropped and is fetched again. `fastload cache verify` checks "
+                "the whole cache",
+                printable(url),
+                "" if span is None else f" (bytes {span[0]}+{span[1]})",
+            )
 
     # --- fetching and publishing -------------------------------------------------------------
 

@@ -103,6 +103,7 @@ class Placement(NamedTuple):
     version: str | None
     segment: int | None  # None: a file of its own
     position: int
+    checksum: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,17 +293,18 @@ class Index:
             marks = ", ".join("?" * len(chunk))
             try:
                 (rows,) = db.execute(
-                    "SELECT json_group_array(json_array(id, size, version, segment, position))"
+                    "SELECT json_group_array("
+                    "json_array(id, size, version, segment, position, checksum))"
                     f" FROM objects WHERE id IN ({marks})",
                     chunk,
                 ).fetchone()
                 placed = json.loads(rows)
             except sqlite3.OperationalError:  # an SQLite without JSON (before 3.38): by rows
-                columns = "id, size, version, segment, position"
+                columns = "id, size, version, segment, position, checksum"
                 query = f"SELECT {columns} FROM objects WHERE id IN ({marks})"
                 placed = db.execute(query, chunk).fetchall()
-            for oid, size, version, segment, position in placed:
-                found[oid] = Placement(size, version, segment, position)
+            for oid, size, version, segment, position, checksum in placed:
+                found[oid] = Placement(size, version, segment, position, checksum)
         return found
 
     def entries(self) -> list[Entry]:

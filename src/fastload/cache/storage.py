@@ -30,7 +30,7 @@ import errno
 import fcntl
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -64,6 +64,8 @@ class Location:
     path: str
     offset: int
     size: int
+    # xxh3 of the bytes, as the index records it (read_checks.py): what they are, not where
+    checksum: int | None = field(default=None, compare=False)
 
     def read(self, start: int = 0, length: int | None = None) -> bytes:
         """Bytes [start, start + length) of the entry (to its end if length is None)."""
@@ -238,10 +240,12 @@ class Storage:
     def segment_path(self, segment: int) -> str:
         return f"{self._segments}/{segment}.seg"
 
-    def location(self, oid: str, segment: int | None, position: int, size: int) -> Location:
+    def location(
+        self, oid: str, segment: int | None, position: int, size: int, checksum: int | None = None
+    ) -> Location:
         if segment is None:
-            return Location(self.object_path(oid), 0, size)
-        return Location(self.segment_path(segment), position, size)
+            return Location(self.object_path(oid), 0, size, checksum)
+        return Location(self.segment_path(segment), position, size, checksum)
 
     @staticmethod
     def intact(location: Location, *, packed: bool) -> bool:

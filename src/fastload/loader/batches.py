@@ -24,7 +24,8 @@ from torch.utils.data import default_collate
 from fastload.cache import Location
 from fastload.datasets.base import Range, ShardedDataset
 from fastload.decode import DecodedBatch, DecodeError, Decoder
-from fastload.errors import FastloadError, RemoteChangedError
+from fastload.errors import CacheCorruptError, FastloadError, RemoteChangedError
+from fastload.loader.entry_checks import EntryChecks
 from fastload.loader.staging_ahead import StagingAhead
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
@@ -318,6 +319,7 @@ class BatchBuilder:
         buffer = context.buffer_of(total)
         requests = []
         where: list[list[tuple[int, int]] | None] = []
+        checks = EntryChecks(enabled=self.dataset.store.cache.read_checks.enabled)
         at = 0
         for rs, ok in zip(ranges, native, strict=True):
             if not ok or rs is None:
@@ -328,13 +330,29 @@ class BatchBuilder:
                 found = paths[key]
                 assert found is not None  # native only where every object is located
                 requests.append((found.path, found.offset + offset, length, buffer, at))
+                checks.add(key, found, offset, length, at)
                 spans.append((at, length))
                 at += length
             where.append(spans)
         context.reader.read(requests, exact=True)
         self.stats.count("bytes_read", at)
+        self._check(checks, paths, buffer)
         view = memoryview(buffer)
         return [None if spans is None else [view[a : a + n] for a, n in spans] for spans in where]
+
+    def _check(self, checks: EntryChecks, paths: dict[str, Location | None], buffer: Any) -> None:
+        """Raises CacheCorruptError (the batch is then read through the cache, which fetches
+        again) where an entry read does not match its checksum, dropping it first."""
+        store = self.dataset.store
+        bad = checks.failed(buffer, store.cache.read_checks, paths)
+        if not bad:
+            return
+        for key in bad:
+            store.cache.drop_corrupt(store.object_url(key))
+        self.stats.count("corrupt_entries", len(bad))
+        raise CacheCorruptError(
+            errno.EIO, f"cached copies of {sorted(bad)[:3]} failed their checksums"
+        )
 
     # --- decode ------------------------------------------------------------------------------
 

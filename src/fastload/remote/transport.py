@@ -80,9 +80,11 @@ class FsspecTransport:
 
 def _pinned_get(fs: Any, pin: Pin | None) -> Callable[..., Any] | None:
     """A coroutine function (path, start, end) that GETs from fs at pin's version where fs
-    is s3fs or fsspec's HTTP filesystem (what fsspec's ``_cat_file`` cannot send); None
-    for other filesystems, or with nothing to pin."""
-    if pin is None or (pin.etag is None and pin.version_id is None and pin.size is None):
+    is s3fs, fsspec's HTTP filesystem or gcsfs (what fsspec's ``_cat_file`` cannot send);
+    None for other filesystems, or with nothing to pin."""
+    if pin is None or (
+        pin.etag is None and pin.version_id is None and pin.size is None and pin.generation is None
+    ):
         return None
     name = type(fs).__name__
     if name == "S3FileSystem" and hasattr(fs, "_call_s3"):
@@ -129,7 +131,33 @@ def _pinned_get(fs: Any, pin: Pin | None) -> Callable[..., Any] | None:
                 return bytes(await r.read())
 
         return http_get
+    if name in ("GCSFileSystem", "ExtendedGcsFileSystem") and hasattr(fs, "_call"):
+        return _gcs_get(fs, pin)
     return None
+
+
+def _gcs_get(fs: Any, pin: Pin) -> Callable[..., Any]:
+    """gcsfs's GET pinned at the listed generation (``ifGenerationMatch``: 412 if the object
+    was rewritten), the answer's size checked against the listed one."""
+
+    async def gcs_get(path: str, start: int | None, end: int | None) -> bytes:
+        if start is not None and start == end:
+            return b""
+        ranged = start is not None or end is not None
+        headers = {"Range": await fs._process_limits(path, start, end)} if ranged else {}
+        try:
+            answer, body = await fs._call(
+                "GET", fs.url(path), headers=headers, ifGenerationMatch=pin.generation
+            )
+        except FileExistsError:  # how gcsfs raises a 412
+            raise VersionMismatch("the remote answered 412 Precondition Failed") from None
+        generation = answer.get("x-goog-generation")
+        if pin.generation is not None and generation and generation != pin.generation:
+            raise VersionMismatch(f"its generation is now {generation}")
+        _check_answer(pin, None, _http_size(answer, ranged))
+        return bytes(body)
+
+    return gcs_get
 
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(?:\d+-\d+|\*)/(\d+)")

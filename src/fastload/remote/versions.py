@@ -31,6 +31,7 @@ class Pin:
     etag: str | None = None
     version_id: str | None = None
     size: int | None = None
+    generation: str | None = None  # a GCS object's generation (sent as ifGenerationMatch)
 
 
 def _fields(version: str | None) -> dict[str, str]:
@@ -57,10 +58,12 @@ def pin_of(version: str | None, size: int | None) -> Pin:
     """The pin of a listed object (its manifest version and size)."""
     fields = _fields(version)
     version_id = fields.get("versionid")
+    generation = fields.get("generation")
     return Pin(
         etag=etag_of(version),
         version_id=version_id if version_id and version_id != "null" else None,
         size=size,
+        generation=generation if generation and generation.isdigit() else None,
     )
 
 

@@ -6,6 +6,11 @@ one entry per shard, ``{"name", "size", "version", "samples", "members", "at",
 little-endian arrays: int64 gaps (a member's data offset minus the previous member's padded
 end, so mostly 512), int64 sizes, uint32 ends of the names, then the UTF-8 names. Every
 number read is checked against the shard it describes before it is used.
+
+Format 3 ends in a checksum of all that (``fastload.safe_files.sealed``): a damaged index
+is never read; the cache's copy is rebuilt. Format 2 (no checksum) is still read, its
+numbers checked as ever: a dataset's ``fastload.flidx`` may have been written by an older
+fastload.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from fastload.datasets.tar.members import BLOCK, Member, count_samples
 from fastload.store import CachedStore
 
 INDEX_NAME = "fastload.flidx"
-_INDEX_FORMAT = "fastload-tar-index/2"
+_INDEX_FORMAT = "fastload-tar-index/3"
+_UNSEALED_FORMAT = "fastload-tar-index/2"
 _MAGIC = b"FLTARIDX"
 
 
@@ -62,17 +68,22 @@ class IndexFile:
             raise ValueError(f"its header of {header_bytes} bytes is longer than the file")
         self._sections = 16 + header_bytes
         header = json.loads(data[16 : self._sections])
-        if not isinstance(header, dict) or header.get("format") != _INDEX_FORMAT:
-            found = header.get("format") if isinstance(header, dict) else header
+        found = header.get("format") if isinstance(header, dict) else header
+        if found not in (_INDEX_FORMAT, _UNSEALED_FORMAT):
             raise ValueError(f"its format is {found!r}, not {_INDEX_FORMAT!r}")
+        end = len(data)
+        if found == _INDEX_FORMAT:
+            _check_seal(data)
+            end -= safe_files.SEAL_BYTES
         if not isinstance(header.get("shards"), list):
             raise ValueError("its header has no list of shards")
         self.entries = {}
         for e in header["shards"]:
-            entry = _checked_entry(e, len(data) - self._sections)
+            entry = _checked_entry(e, end - self._sections)
             self.entries[str(e["name"])] = entry
         self._data: bytes | None = data
         self._length = len(data)
+        self._sealed = found == _INDEX_FORMAT
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -89,6 +100,14 @@ class IndexFile:
                 raise DatasetError(
                     f"{self.source} changed since the dataset was opened; open it again"
                 )
+            if self._sealed:
+                try:
+                    _check_seal(data)
+                except ValueError as exc:
+                    raise DatasetError(
+                        f"{self.source} changed or was damaged since the dataset was opened "
+                        f"({exc}); open the dataset again"
+                    ) from None
             self._data = data
         return self._data
 
@@ -155,7 +174,14 @@ class IndexFile:
             sections.append(section)
             at += len(section)
         header = json.dumps({"format": _INDEX_FORMAT, "shards": entries}).encode()
-        return b"".join([_MAGIC, struct.pack("<Q", len(header)), header, *sections])
+        return safe_files.sealed(
+            b"".join([_MAGIC, struct.pack("<Q", len(header)), header, *sections])
+        )
+
+
+def _check_seal(data: bytes) -> None:
+    if safe_files.unsealed(data) is None:
+        raise ValueError("its checksum does not hold: it is damaged")
 
 
 def _count(e: dict[str, Any], field: str, most: int) -> int:

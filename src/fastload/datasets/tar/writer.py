@@ -26,7 +26,6 @@ from fastload.remote import (
     open_filesystem,
     path_of,
     remote_url,
-    with_retries,
 )
 from fastload.remote.hub import is_hf
 from fastload.store import CachedStore, StoreConfig
@@ -95,11 +94,9 @@ def write_index(
         if to == "dataset" and why:
             raise DatasetError(f"cannot write an index next to the shards of {store.url}: {why}")
         objects = [store.object(k) for k in keys]
-        # At the listed versions (an hf:// shard at the listed commit, not the branch's).
-        where = [path_of(fs, root, k, o.version) for k, o in zip(keys, objects, strict=True)]
         urls = [store.object_url(k) for k in keys]
         members = _stream_members(
-            fs, list(zip(where, urls, [o.size for o in objects], strict=True)), jobs, progress
+            store, list(zip(keys, urls, [o.size for o in objects], strict=True)), jobs, progress
         )
         if not why:
             data = IndexFile.encode(
@@ -143,19 +140,20 @@ def write_index(
 
 
 def _stream_members(
-    fs: Any,
+    store: CachedStore,
     shards: list[tuple[str, str, int | None]],
     jobs: int,
     progress: bool | Callable[[Progress], None] | None,
 ) -> list[list[Member]]:
-    """The members of each (path, URL, size) shard, ``jobs`` shards streamed at a time."""
+    """The members of each (key, URL, size) shard, ``jobs`` shards streamed at a time."""
     callback = progress if callable(progress) else None
     if progress is None or progress is True:
         callback = ProgressBar(len(shards), sum(size or 0 for _, _, size in shards))
     counts = Progress(callback=callback)
     found: list[list[Member]] = [[] for _ in shards]
+    assert store.stager is not None  # made here, once, before the threads share it
     with ThreadPoolExecutor(jobs, thread_name_prefix="fastload-tar-index") as pool:
-        futures = {pool.submit(_stream_scan, fs, *shard): i for i, shard in enumerate(shards)}
+        futures = {pool.submit(_stream_scan, store, *shard): i for i, shard in enumerate(shards)}
         try:
             for future in as_completed(futures):
                 i = futures[future]
@@ -167,20 +165,13 @@ def _stream_members(
     return found
 
 
-def _stream_scan(fs: Any, path: str, url: str, size: int | None) -> list[Member]:
-    """The members of one shard, streamed in large reads (retried whole), not cached."""
-
-    def scan() -> list[Member] | DatasetError:
-        with fs.open(path, "rb", block_size=SCAN_READ_BYTES, cache_type="readahead") as f:
-            try:
-                return scan_tar(f, url, size)
-            except DatasetError as exc:  # the shard's fault: not worth a retry
-                return exc
-
-    found = with_retries(scan, url)
-    if isinstance(found, DatasetError):
-        raise found
-    return found
+def _stream_scan(store: CachedStore, key: str, url: str, size: int | None) -> list[Member]:
+    """The members of one shard, streamed in large reads, not cached: each read is a GET
+    pinned at the listed version (an hf:// shard at the listed commit), retried on its own;
+    a shard rewritten since the listing is an error naming it, never indexed as the old one.
+    """
+    with store.stream(key, SCAN_READ_BYTES) as f:
+        return scan_tar(f, url, size)  # type: ignore[arg-type]
 
 
 class _NotWritable(Exception):
