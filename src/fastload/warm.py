@@ -23,6 +23,10 @@ from fastload.store import CachedStore, RangeResult
 if TYPE_CHECKING:
     from fastload.datasets.base import ShardedDataset
 
+# Batches per rank that ``warm --from-state`` stages by default: the job's first minutes on a
+# replacement node, not the whole rest of the epoch (the loader prefetches that as it trains).
+DEFAULT_STATE_BATCHES = 256
+
 
 @dataclass(frozen=True, kw_only=True)
 class NodeShare:
@@ -38,6 +42,9 @@ class NodeShare:
     window_shards: int = DEFAULT_WINDOW_SHARDS
     # Where the first of ``epochs`` resumes (a loader's saved state): its rest, not all of it.
     resume: ResumeState | None = None
+    # The first this many samples of each rank only (from the resume point), not the epochs'
+    # whole: a replacement node warmed for its first batches, the loader prefetching the rest.
+    samples: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -46,6 +53,8 @@ class NodeShare:
             raise ValueError(f"ranks must be in [0, {self.world_size}), got {list(self.ranks)}")
         if not self.epochs or min(self.epochs) < 0:
             raise ValueError(f"epochs must be one or more epochs >= 0, got {list(self.epochs)}")
+        if self.samples is not None and self.samples < 1:
+            raise ValueError(f"samples must be >= 1 (or None: all), got {self.samples}")
 
     def staging(self, url: str, **open_options: Any) -> Staging:
         """What to stage for these ranks and epochs of the dataset at url (opened in
@@ -58,6 +67,8 @@ class NodeShare:
     def staging_of(self, dataset: ShardedDataset) -> Staging:
         """What to stage of dataset for these ranks and epochs (first needed first), and
         every cache entry they read, in order (for the ``plan`` policy)."""
+        import numpy as np
+
         from fastload.plan import Plan
 
         plan = Plan(
@@ -70,6 +81,13 @@ class NodeShare:
         future = plan.future(
             self.epochs, world_size=self.world_size, ranks=self.ranks, resume=self.resume
         )
+        if self.samples is not None:  # ranks read in lockstep: the first samples of each
+            cut = self.samples * len(self.ranks)
+            future = replace(
+                future,
+                sample_shards=future.sample_shards[:cut],
+                epoch_starts=np.minimum(future.epoch_starts, cut),
+            )
         keys, ranges = dataset.to_stage(future.first_needed)
         whole = set(keys)
         ranged = dataset.stages_by_range
@@ -337,11 +355,14 @@ def warm_from_state(
     world_size: int | None = None,
     cache_dir: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    batches: int | None = DEFAULT_STATE_BATCHES,
     **warm_options: Any,
 ) -> WarmReport:
-    """Stages exactly what a job resuming from a loader's saved state reads next (the rest
-    of its epoch, first batches first) for ``ranks`` of ``world_size`` (default: every rank
-    of the world that saved it). The dataset's listing comes from the manifest snapshot saved
+    """Stages exactly what a job resuming from a loader's saved state reads next (its next
+    ``batches`` batches per rank, first batches first; None: the rest of its epoch) for
+    ``ranks`` of ``world_size`` (default: every rank of the world that saved it). A bound
+    lets the job start as soon as its first batches are here (its loader prefetches the
+    rest); a state saved without its batch size is warmed whole. The dataset's listing comes from the manifest snapshot saved
     beside the state (``loader.save_manifest``, or ``on_preempt``), installed as this
     node's: neither this warm nor the job after it lists the remote. For a replacement
     node, while the job is being rescheduled."""
@@ -356,6 +377,12 @@ def warm_from_state(
         ) from None
     resume = ResumeState.from_dict(plan)
     world_size = world_size or int(state.get("world_size", 1))
+    if batches is not None and batches < 1:
+        raise ValueError(f"batches must be >= 1 (or None: the rest of the epoch), got {batches}")
+    batch_size = state.get("batch_size")
+    samples = None
+    if batches is not None and isinstance(batch_size, int) and batch_size >= 1:
+        samples = batches * batch_size
     share = NodeShare(
         ranks=tuple(ranks) if ranks is not None else tuple(range(world_size)),
         world_size=world_size,
@@ -366,6 +393,7 @@ def warm_from_state(
         drop_last=resume.drop_last,
         window_shards=resume.window_shards,
         resume=resume,
+        samples=samples,
     )
     url = str(dataset["url"])
     if "manifest" in dataset:

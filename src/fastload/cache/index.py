@@ -346,6 +346,20 @@ class Index:
         return int(value)
 
     @staticmethod
+    def totals(db: sqlite3.Connection) -> tuple[int, int]:
+        """(bytes, files) in one query: asked on every publish under a budget."""
+        found = dict(db.execute("SELECT name, value FROM totals WHERE name IN ('bytes', 'files')"))
+        return int(found["bytes"]), int(found["files"])
+
+    @staticmethod
+    def own_file_size(db: sqlite3.Connection, oid: str) -> int | None:
+        """The size of oid's entry if it is an own file (None if absent or packed)."""
+        found = db.execute(
+            "SELECT size FROM objects WHERE id = ? AND segment IS NULL", (oid,)
+        ).fetchone()
+        return None if found is None else int(found[0])
+
+    @staticmethod
     def add_to_total(db: sqlite3.Connection, nbytes: int, files: int = 0) -> None:
         db.execute("UPDATE totals SET value = value + ? WHERE name = 'bytes'", (nbytes,))
         if files:
@@ -401,13 +415,24 @@ class Index:
 
     def remove_files(
         self, db: sqlite3.Connection, files: Sequence[tuple[str, str | int, int]]
-    ) -> None:
-        """Forgets own-file entries given as (kind, id, size) as read in this transaction."""
-        if files:
-            db.executemany(
-                "DELETE FROM objects WHERE id = ? AND segment IS NULL", [(f[1],) for f in files]
-            )
-            self.add_to_total(db, -sum(f[2] for f in files), -len(files))
+    ) -> int:
+        """Forgets own-file entries given as (kind, id, size); returns the bytes they held
+        as the index had them (one gone or packed since the caller ranked it frees none).
+        In id order, so the deletes walk the primary key's pages once, not at random."""
+        ids = sorted(str(f[1]) for f in files)
+        freed = count = 0
+        for i in range(0, len(ids), 500):  # SQLite's limit on bound parameters
+            chunk = ids[i : i + 500]
+            marks = ", ".join("?" * len(chunk))
+            sizes = db.execute(
+                f"DELETE FROM objects WHERE id IN ({marks}) AND segment IS NULL RETURNING size",
+                chunk,
+            ).fetchall()
+            freed += sum(size for (size,) in sizes)
+            count += len(sizes)
+        if count:
+            self.add_to_total(db, -freed, -count)
+        return freed
 
     @staticmethod
     def new_segment(db: sqlite3.Connection) -> int:
