@@ -82,7 +82,8 @@ def _digests(files: dict[str, bytes]) -> Counter[str]:
 def _valid_state(path: Path) -> dict[str, Any]:
     """The state file parses whole, is a loader state, and no temporary is left beside it."""
     state: dict[str, Any] = json.loads(path.read_text())
-    assert state["fastload_loader"] >= 1 and "plan" in state
+    assert state["fastload_loader"] >= 1
+    assert "plan" in state
     left = [p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}")]
     assert not left, left
     return state
@@ -234,8 +235,14 @@ def _sigterm_group(script: Path, world_size: int, out: Path, cfg: str) -> list[d
             with open(out / f"rank{rank}.out", "wb") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, str(script), "--out", str(out / f"rank{rank}.json")]
-                        + ["--cfg", cfg],
+                        [
+                            sys.executable,
+                            str(script),
+                            "--out",
+                            str(out / f"rank{rank}.json"),
+                            "--cfg",
+                            cfg,
+                        ],
                         env={**env, "RANK": str(rank)},
                         stdout=log,
                         stderr=subprocess.STDOUT,

@@ -362,10 +362,10 @@ def warm_from_state(
     ``batches`` batches per rank, first batches first; None: the rest of its epoch) for
     ``ranks`` of ``world_size`` (default: every rank of the world that saved it). A bound
     lets the job start as soon as its first batches are here (its loader prefetches the
-    rest); a state saved without its batch size is warmed whole. The dataset's listing comes from the manifest snapshot saved
-    beside the state (``loader.save_manifest``, or ``on_preempt``), installed as this
-    node's: neither this warm nor the job after it lists the remote. For a replacement
-    node, while the job is being rescheduled."""
+    rest); a state saved without its batch size is warmed whole. The dataset's listing
+    comes from the manifest snapshot saved beside the state (``loader.save_manifest``, or
+    ``on_preempt``), installed as this node's: neither this warm nor the job after it
+    lists the remote. For a replacement node, while the job is being rescheduled."""
     path = Path(state_path)
     try:
         state = json.loads(path.read_text())

@@ -10,8 +10,9 @@ linear beyond. Here victims come in the same order, read lazily:
   beside it (a victim needs no look-up in the index: the delete says what it freed, and
   a victim gone since it was ranked frees nothing). As the plan advances, only the
   entries whose next use was passed get a new key (each plan position is passed once, so
-  an epoch costs O(plan length) in all); stale keys are dropped when they reach the top. Segments (``plan`` packs nothing; they are left by other policies)
-  are ranked by the soonest next use of their live entries, computed over those entries.
+  an epoch costs O(plan length) in all); stale keys are dropped when they reach the top.
+  Segments (``plan`` packs nothing; they are left by other policies) are ranked by the
+  soonest next use of their live entries, computed over those entries.
 
 Ties are broken the same way everywhere: by kind (own files first), then by id.
 """
