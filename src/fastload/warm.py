@@ -67,8 +67,6 @@ class NodeShare:
     def staging_of(self, dataset: ShardedDataset) -> Staging:
         """What to stage of dataset for these ranks and epochs (first needed first), and
         every cache entry they read, in order (for the ``plan`` policy)."""
-        import numpy as np
-
         from fastload.plan import Plan
 
         plan = Plan(
@@ -79,15 +77,12 @@ class NodeShare:
             window_shards=self.window_shards,
         )
         future = plan.future(
-            self.epochs, world_size=self.world_size, ranks=self.ranks, resume=self.resume
+            self.epochs,
+            world_size=self.world_size,
+            ranks=self.ranks,
+            resume=self.resume,
+            samples=self.samples,
         )
-        if self.samples is not None:  # ranks read in lockstep: the first samples of each
-            cut = self.samples * len(self.ranks)
-            future = replace(
-                future,
-                sample_shards=future.sample_shards[:cut],
-                epoch_starts=np.minimum(future.epoch_starts, cut),
-            )
         keys, ranges = dataset.to_stage(future.first_needed)
         whole = set(keys)
         ranged = dataset.stages_by_range
@@ -243,16 +238,18 @@ def _warm(
     cache, manifest = store.cache, store.manifest
     if staging is not None and staging.accesses is not None:
         cache.plan = PlanHint(staging.accesses)
-    objects = list(manifest.objects)
-    if keys is not None:
-        by_key = {o.key: o for o in objects}
-        unknown = [k for k in keys if k not in by_key]
+    if keys is None:
+        objects = list(manifest.objects)
+    else:  # found through the listing's hash index: a share of 1.28 M costs its own size
+        wanted = list(dict.fromkeys(keys))
+        at = manifest.indices_of(wanted)
+        unknown = [k for k, i in zip(wanted, at.tolist(), strict=True) if i < 0]
         if unknown:
             raise KeyError(
                 f"{len(unknown)} keys are not in the listing of {manifest.url}, e.g. "
                 f"{unknown[0]!r}; relist with refresh=True if the dataset changed"
             )
-        objects = [by_key[k] for k in dict.fromkeys(keys)]
+        objects = manifest.objects_at(at)
     range_bytes = sum(n for _, _, n in ranges)
     total_bytes = sum(o.size or 0 for o in objects) + range_bytes
     shown, cache_dir_text = public_url(store.config.url), str(cache.dir)
