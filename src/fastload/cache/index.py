@@ -41,11 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from fastload.cache.budget import WAL_BYTES
+from fastload.cache.budget import WAL_BYTES, WAL_RESERVE
 from fastload.errors import CacheError
 
 FORMAT_VERSION = 3
 _CONNECT_TIMEOUT_S = 60.0
+_CHECKPOINT_WAIT_MS = 200  # how long a commit waits to reset a grown WAL (then: later)
 _RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
 _COLUMNS = "id, url, size, checksum, version, created, last_use, segment, position, start"
 
@@ -249,6 +250,7 @@ class Index:
                     db.execute("ROLLBACK")
                     raise
                 db.execute("COMMIT")
+                self._bound_wal(db)
             except sqlite3.OperationalError as exc:
                 if "full" in str(exc):
                     raise CacheError(
@@ -258,6 +260,25 @@ class Index:
                         str(self.path),
                     ) from exc
                 raise CacheError(errno.EIO, f"cache index {self.path}: {exc}") from exc
+
+    def _bound_wal(self, db: sqlite3.Connection) -> None:
+        """Resets a WAL grown past half the budget's reserve for it. The automatic
+        checkpoint (passive) never resets a WAL that other processes keep reading and
+        writing: four processes publishing at once grew it to 40 MB against its 1 MB
+        limit, over max_bytes. A TRUNCATE checkpoint waits (the busy timeout) for readers
+        on older snapshots, then empties it."""
+        try:
+            size = os.stat(f"{self.path}-wal").st_size
+        except OSError:
+            return
+        if size > WAL_RESERVE // 2:
+            # Waiting briefly: a publisher must not stall behind a long reader.
+            db.execute(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
+            try:
+                with contextlib.suppress(sqlite3.OperationalError):  # busy: the next commit
+                    db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            finally:
+                db.execute(f"PRAGMA busy_timeout={int(_CONNECT_TIMEOUT_S * 1000)}")
 
     def close(self) -> None:
         if self._db_pid == os.getpid():
