@@ -236,3 +236,25 @@ def test_a_million_entry_cache_opens_and_evicts_least_recent_first(tmp_path: Pat
             assert oldest == oldest_before + evicted  # exactly the least recently used went
             assert cache.counts_disk is counts_disk
             assert cache.used_bytes() <= max_bytes
+
+
+def test_plan_victims_evicted_elsewhere_free_nothing_and_the_budget_still_holds(
+    tmp_path: Path,
+) -> None:
+    """``plan`` ranks victims with the sizes it last knew (no look-up per victim). Entries
+    another process evicted since free nothing: the totals follow what the deletes
+    removed, and eviction goes on to the next victims until the new entry fits."""
+    urls = [f"s3://b/{i}" for i in range(10)]
+    with Cache(tmp_path, max_bytes=1000, policy="plan", segment_bytes=0) as cache:
+        cache.plan = PlanHint(["s3://b/a", "s3://b/b", *urls])  # a and b first, then 0..9
+        for url in urls:
+            assert put(cache, url, 100)
+        assert put(cache, "s3://b/a", 100)  # ranks the entries; 9 is evicted
+        with Cache(tmp_path, segment_bytes=0) as other:  # the furthest-needed left go
+            for url in urls[6:9]:
+                assert other.drop(url)
+        assert put(cache, "s3://b/b", 500)
+        with cache.index.transaction() as db:
+            rows = db.execute("SELECT COUNT(*), SUM(size) FROM objects").fetchone()
+        assert rows == (6, 1000)  # 0..3, a and b: 4 and 5 evicted, 6..8 were gone
+        assert cache.used_bytes() == 1000  # the totals count what is there

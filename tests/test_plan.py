@@ -556,3 +556,17 @@ def test_plan_benchmark_measures_every_case_at_toy_size() -> None:
     assert all(r.ratio is not None for r in report.rows if r.system != "fastload Plan.epoch_order")
     with pytest.raises(ValueError, match="resume_samples must be >= 2 \\* world_size"):
         plan_bench.PlanBenchConfig(resume_samples=3)
+
+
+@pytest.mark.parametrize("samples", [1, 5, 13, 14, 40])
+def test_a_future_bounded_by_samples_is_the_unbounded_futures_first_samples(samples: int) -> None:
+    """``future(samples=k)`` computes only each rank's first k samples (a warm of the next
+    batches on 1.28 M samples must not compute the whole epoch), and they are exactly the
+    start of the unbounded future, across an epoch boundary too."""
+    plan = Plan([4, 7, 2, 9, 5], seed=3, window_shards=2)
+    resume = plan.resume_state(0, [(2, 3)])
+    full = plan.future((0, 1), world_size=3, ranks=(0, 2), resume=resume)
+    cut = plan.future((0, 1), world_size=3, ranks=(0, 2), resume=resume, samples=samples)
+    assert cut.sample_shards.tolist() == full.sample_shards[: samples * 2].tolist()
+    assert len(cut.epoch_starts) == len(full.epoch_starts)
+    assert cut.epoch_starts.tolist() == np.minimum(full.epoch_starts, samples * 2).tolist()

@@ -192,3 +192,30 @@ def test_an_empty_node_warmed_from_the_state_lists_nothing_and_fetches_only_the_
     assert Counter(delivered) == rest
     assert s3.total_gets() - gets == staged  # every read from node b's cache
     assert _lists(s3) == lists
+
+
+def test_warm_from_state_with_a_bound_stages_the_next_batches_only(
+    s3: Remote, tmp_path: Path
+) -> None:
+    loader = _loader(s3, tmp_path / "node-a", on_preempt=tmp_path / "ckpt" / "state.json")
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    loader._preemption.write()  # type: ignore[union-attr]  # as SIGTERM would
+    loader.close()
+    state = json.loads((tmp_path / "ckpt" / "state.json").read_text())
+    assert state["batch_size"] == 3
+    resumed = _loader(s3, tmp_path / "reference")
+    resumed.load_state_dict(state)
+    by_digest = {hashlib.sha1(data).hexdigest(): key for key, data in s3.files.items()}
+    following = [by_digest[hashlib.sha1(s).hexdigest()] for b in resumed for s in b]
+    before = {key: s3.gets(key) for key in s3.files}
+    report = warm_from_state(
+        tmp_path / "ckpt" / "state.json",
+        cache_dir=str(tmp_path / "node-b"),
+        storage_options=s3.storage_options,
+        batches=2,
+    )
+    assert report.ok
+    staged = {key for key in s3.files if s3.gets(key) > before[key]}
+    assert staged == set(following[:6])  # the next two batches of three, nothing further

@@ -31,6 +31,7 @@ from fastload.errors import (
 )
 from fastload.plan import DEFAULT_WINDOW_SHARDS
 from fastload.remote import scrub
+from fastload.warm import DEFAULT_STATE_BATCHES
 
 # The step `fastload doctor` runs when told none: the bench's simulated step.
 DEFAULT_DOCTOR_STEP_MS = 20.0
@@ -104,6 +105,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
@@ -126,7 +137,11 @@ def _warm(args: argparse.Namespace) -> int:
             raise UsageError("--from-state takes the epoch and format from the state")
         try:
             report = warm_from_state(
-                args.from_state, ranks=args.rank, world_size=args.world_size, **settings
+                args.from_state,
+                ranks=args.rank,
+                world_size=args.world_size,
+                batches=args.batches or None,
+                **settings,
             )
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -504,6 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STATE",
         help="stage what a job resuming from this saved loader state reads next (its dataset "
         "and plan from the state, the listing from the manifest snapshot beside it)",
+    )
+    warm.add_argument(
+        "--batches",
+        type=non_negative_int,
+        default=DEFAULT_STATE_BATCHES,
+        help="with --from-state: the next N batches of each rank, first batches first "
+        f"(default {DEFAULT_STATE_BATCHES}; 0: the rest of the epoch)",
     )
     warm.add_argument("--cache-dir", help="default: $FASTLOAD_CACHE_DIR or ~/.cache/fastload")
     warm.add_argument(

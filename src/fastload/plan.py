@@ -613,13 +613,26 @@ class Plan:
         return self._layout(self._resolve(epoch, resume), world_size).per_rank
 
     def rank_order(
-        self, epoch: int, *, world_size: int, rank: int, resume: ResumeState | None = None
+        self,
+        epoch: int,
+        *,
+        world_size: int,
+        rank: int,
+        resume: ResumeState | None = None,
+        limit: int | None = None,
     ) -> IndexArray:
-        """The sample indices ``rank`` reads this epoch, in order, from the resume point."""
+        """The sample indices ``rank`` reads this epoch, in order, from the resume point
+        (its first ``limit`` only, computed alone, where given)."""
         _check_world(world_size, rank)
         layout = self._layout(self._resolve(epoch, resume), world_size)
         order = self._order(epoch)
-        pieces = [order.take(r.start, r.stop) for r in layout.rank_runs(rank)]
+        pieces = []
+        left = layout.per_rank if limit is None else limit
+        for r in layout.rank_runs(rank):
+            if left <= 0:
+                break
+            pieces.append(order.take(r.start, min(r.stop, r.start + left)))
+            left -= len(pieces[-1])
         if not pieces:
             return np.empty(0, dtype=np.int64)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
@@ -631,9 +644,11 @@ class Plan:
         world_size: int,
         ranks: Iterable[int],
         resume: ResumeState | None = None,
+        samples: int | None = None,
     ) -> ShardFuture:
         """The shards ``ranks`` (one node's) read in ``epochs``, in order; ``resume`` applies
-        to its own epoch. For the cache's ``plan`` policy and for warming one node's share."""
+        to its own epoch; ``samples``: the first that many of each rank only. For the
+        cache's ``plan`` policy and for warming one node's share."""
         epochs_t = tuple(_check_int("epoch", e, minimum=0) for e in epochs)
         ranks_t = tuple(ranks)
         if not ranks_t:
@@ -645,12 +660,19 @@ class Plan:
         if resume is not None:
             self.check_state(resume)
         per_epoch = []
+        left = samples
         for epoch in epochs_t:
+            if left is not None and left <= 0:
+                per_epoch.append(np.empty(0, dtype=np.int64))
+                continue
             state = resume if resume is not None and resume.epoch == epoch else None
             orders = [
-                self.rank_order(epoch, world_size=world_size, rank=r, resume=state) for r in ranks_t
+                self.rank_order(epoch, world_size=world_size, rank=r, resume=state, limit=left)
+                for r in ranks_t
             ]
             per_epoch.append(self.shard_of(np.stack(orders, axis=1).ravel()))
+            if left is not None:
+                left -= len(orders[0])
         lengths = [len(p) for p in per_epoch]
         sample_shards = (
             np.concatenate(per_epoch) if per_epoch else np.empty(0, dtype=np.int64)

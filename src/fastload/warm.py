@@ -23,6 +23,10 @@ from fastload.store import CachedStore, RangeResult
 if TYPE_CHECKING:
     from fastload.datasets.base import ShardedDataset
 
+# Batches per rank that ``warm --from-state`` stages by default: the job's first minutes on a
+# replacement node, not the whole rest of the epoch (the loader prefetches that as it trains).
+DEFAULT_STATE_BATCHES = 256
+
 
 @dataclass(frozen=True, kw_only=True)
 class NodeShare:
@@ -38,6 +42,9 @@ class NodeShare:
     window_shards: int = DEFAULT_WINDOW_SHARDS
     # Where the first of ``epochs`` resumes (a loader's saved state): its rest, not all of it.
     resume: ResumeState | None = None
+    # The first this many samples of each rank only (from the resume point), not the epochs'
+    # whole: a replacement node warmed for its first batches, the loader prefetching the rest.
+    samples: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -46,6 +53,8 @@ class NodeShare:
             raise ValueError(f"ranks must be in [0, {self.world_size}), got {list(self.ranks)}")
         if not self.epochs or min(self.epochs) < 0:
             raise ValueError(f"epochs must be one or more epochs >= 0, got {list(self.epochs)}")
+        if self.samples is not None and self.samples < 1:
+            raise ValueError(f"samples must be >= 1 (or None: all), got {self.samples}")
 
     def staging(self, url: str, **open_options: Any) -> Staging:
         """What to stage for these ranks and epochs of the dataset at url (opened in
@@ -68,7 +77,11 @@ class NodeShare:
             window_shards=self.window_shards,
         )
         future = plan.future(
-            self.epochs, world_size=self.world_size, ranks=self.ranks, resume=self.resume
+            self.epochs,
+            world_size=self.world_size,
+            ranks=self.ranks,
+            resume=self.resume,
+            samples=self.samples,
         )
         keys, ranges = dataset.to_stage(future.first_needed)
         whole = set(keys)
@@ -225,16 +238,18 @@ def _warm(
     cache, manifest = store.cache, store.manifest
     if staging is not None and staging.accesses is not None:
         cache.plan = PlanHint(staging.accesses)
-    objects = list(manifest.objects)
-    if keys is not None:
-        by_key = {o.key: o for o in objects}
-        unknown = [k for k in keys if k not in by_key]
+    if keys is None:
+        objects = list(manifest.objects)
+    else:  # found through the listing's hash index: a share of 1.28 M costs its own size
+        wanted = list(dict.fromkeys(keys))
+        at = manifest.indices_of(wanted)
+        unknown = [k for k, i in zip(wanted, at.tolist(), strict=True) if i < 0]
         if unknown:
             raise KeyError(
                 f"{len(unknown)} keys are not in the listing of {manifest.url}, e.g. "
                 f"{unknown[0]!r}; relist with refresh=True if the dataset changed"
             )
-        objects = [by_key[k] for k in dict.fromkeys(keys)]
+        objects = manifest.objects_at(at)
     range_bytes = sum(n for _, _, n in ranges)
     total_bytes = sum(o.size or 0 for o in objects) + range_bytes
     shown, cache_dir_text = public_url(store.config.url), str(cache.dir)
@@ -337,14 +352,17 @@ def warm_from_state(
     world_size: int | None = None,
     cache_dir: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    batches: int | None = DEFAULT_STATE_BATCHES,
     **warm_options: Any,
 ) -> WarmReport:
-    """Stages exactly what a job resuming from a loader's saved state reads next (the rest
-    of its epoch, first batches first) for ``ranks`` of ``world_size`` (default: every rank
-    of the world that saved it). The dataset's listing comes from the manifest snapshot saved
-    beside the state (``loader.save_manifest``, or ``on_preempt``), installed as this
-    node's: neither this warm nor the job after it lists the remote. For a replacement
-    node, while the job is being rescheduled."""
+    """Stages exactly what a job resuming from a loader's saved state reads next (its next
+    ``batches`` batches per rank, first batches first; None: the rest of its epoch) for
+    ``ranks`` of ``world_size`` (default: every rank of the world that saved it). A bound
+    lets the job start as soon as its first batches are here (its loader prefetches the
+    rest); a state saved without its batch size is warmed whole. The dataset's listing
+    comes from the manifest snapshot saved beside the state (``loader.save_manifest``, or
+    ``on_preempt``), installed as this node's: neither this warm nor the job after it
+    lists the remote. For a replacement node, while the job is being rescheduled."""
     path = Path(state_path)
     try:
         state = json.loads(path.read_text())
@@ -356,6 +374,12 @@ def warm_from_state(
         ) from None
     resume = ResumeState.from_dict(plan)
     world_size = world_size or int(state.get("world_size", 1))
+    if batches is not None and batches < 1:
+        raise ValueError(f"batches must be >= 1 (or None: the rest of the epoch), got {batches}")
+    batch_size = state.get("batch_size")
+    samples = None
+    if batches is not None and isinstance(batch_size, int) and batch_size >= 1:
+        samples = batches * batch_size
     share = NodeShare(
         ranks=tuple(ranks) if ranks is not None else tuple(range(world_size)),
         world_size=world_size,
@@ -366,6 +390,7 @@ def warm_from_state(
         drop_last=resume.drop_last,
         window_shards=resume.window_shards,
         resume=resume,
+        samples=samples,
     )
     url = str(dataset["url"])
     if "manifest" in dataset:

@@ -107,6 +107,7 @@ class _Publication:
 
 
 _LOW_WATER = 0.01  # one eviction may free this share of max_bytes beyond what is needed
+_EVICTION_ROUNDS = 8  # a round short only by victims gone since they were ranked is retried
 
 
 def _same_bytes(a: Entry, b: Entry) -> bool:
@@ -425,7 +426,7 @@ class Cache:
                             self.index.add(db, [self._entry(item, None, 0)])
                             item.location = Location(path, 0, part.size)
                             if self._ranking is not None:
-                                self._ranking.add(item.oid)
+                                self._ranking.add(item.oid, part.size)
                     except CacheError as exc:
                         part.discard()
                         item.error = exc
@@ -512,6 +513,19 @@ class Cache:
             compaction.compact(self, db, need_bytes=need, io_bytes=compaction.io_budget(size))
             return self._overshoot(db, oid, size + queued, max_bytes) <= 0
         slack = int(max_bytes * _LOW_WATER)
+        for _ in range(_EVICTION_ROUNDS):
+            if not self._evict(db, oid, need, slack):
+                return False
+            # plan's victims carry the sizes this process last knew: one evicted by another
+            # process (or by evict()) since freed nothing, so look again.
+            need = self._overshoot(db, oid, size + queued, max_bytes)
+            if need <= 0:
+                return True
+        return False
+
+    def _evict(self, db: sqlite3.Connection, oid: str, need: int, slack: int) -> bool:
+        """Evicts victims in policy order until they free need bytes (by their sizes as
+        ranked), and on while within slack; False if the unused ones cannot free need."""
         chosen: list[tuple[Victim, int]] = []
         chosen_files: list[str] = []
         freed = 0
@@ -535,8 +549,7 @@ class Cache:
                 else:
                     assert isinstance(key, str)
                     self.storage.remove(self.storage.object_path(key))
-            # Own files leave the index in one statement: their rows were read in this
-            # transaction, which no other writer can enter.
+            # Own files leave the index in a few statements, in id order.
             self.index.remove_files(db, [v for v, _ in chosen if v.kind == "file"])
             return True
         finally:
@@ -551,12 +564,12 @@ class Cache:
 
     def _overshoot(self, db: sqlite3.Connection, oid: str, size: int, max_bytes: int) -> int:
         """By how much publishing size bytes as oid would exceed max_bytes (<= 0: it fits)."""
-        old = Index.row(db, oid)
-        replacing = self._charge(old.size) if old is not None and old.segment is None else 0
-        total = Index.total(db)
+        old = Index.own_file_size(db, oid)
+        replacing = 0 if old is None else self._charge(old)
+        total, files = Index.totals(db)
         if not self.counts_disk:
             return total - replacing + size - max_bytes
-        on_disk = total + Index.files(db) * self._block + self.metadata.bytes()
+        on_disk = total + files * self._block + self.metadata.bytes()
         return on_disk - replacing + self._charge(size) + budget.ROW_BYTES - max_bytes
 
     def _victim_path(self, victim: Victim) -> str:

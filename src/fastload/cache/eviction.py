@@ -6,11 +6,13 @@ linear beyond. Here victims come in the same order, read lazily:
 
 - ``lru``: own files through the index on ``(last_use, id)`` and segments through the one
   on their latest use, a page at a time, merged. A victim costs O(log n).
-- ``plan``: own files in a heap keyed by their next use, furthest first. As the plan
-  advances, only the entries whose next use was passed get a new key (each plan position
-  is passed once, so an epoch costs O(plan length) in all); stale keys are dropped when
-  they reach the top. Segments (``plan`` packs nothing; they are left by other policies)
-  are ranked by the soonest next use of their live entries, computed over those entries.
+- ``plan``: own files in a heap keyed by their next use, furthest first, with their sizes
+  beside it (a victim needs no look-up in the index: the delete says what it freed, and
+  a victim gone since it was ranked frees nothing). As the plan advances, only the
+  entries whose next use was passed get a new key (each plan position is passed once, so
+  an epoch costs O(plan length) in all); stale keys are dropped when they reach the top.
+  Segments (``plan`` packs nothing; they are left by other policies) are ranked by the
+  soonest next use of their live entries, computed over those entries.
 
 Ties are broken the same way everywhere: by kind (own files first), then by id.
 """
@@ -18,7 +20,6 @@ Ties are broken the same way everywhere: by kind (own files first), then by id.
 from __future__ import annotations
 
 import heapq
-import itertools
 import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from fastload.cache.core import PlanHint
 
 _PAGE = 256  # victims read per query
-_LOOKAHEAD = 32  # plan's candidates looked up in the index per query
 
 
 class Victim(NamedTuple):
@@ -82,6 +82,7 @@ class PlanRanking:
         self.plan = plan
         self._infinite = plan.length  # later than any position: never needed again
         self._key: dict[str, int] = {}  # entry id -> its next use, as the heap has it
+        self._size: dict[str, int] = {}  # entry id -> its size, as last published or read
         self._heap: list[tuple[int, str]] = []  # (-next use, id); stale rows are skipped
         self._applied = plan.position
         self._taken: list[tuple[int, str]] = []  # popped while choosing, not yet settled
@@ -91,8 +92,8 @@ class PlanRanking:
 
     def rebuild(self, db: sqlite3.Connection) -> None:
         self._applied = self.plan.position
-        ids = [row[0] for row in db.execute("SELECT id FROM objects WHERE segment IS NULL")]
-        self._key = {oid: self._next_use(oid) for oid in ids}
+        self._size = dict(db.execute("SELECT id, size FROM objects WHERE segment IS NULL"))
+        self._key = {oid: self._next_use(oid) for oid in self._size}
         self._heap = [(-key, oid) for oid, key in self._key.items()]
         heapq.heapify(self._heap)
         self._added = 0
@@ -114,8 +115,9 @@ class PlanRanking:
     def next_use(self, oid: str) -> int:
         return self._next_use(oid)
 
-    def add(self, oid: str) -> None:
+    def add(self, oid: str, size: int) -> None:
         self._catch_up()
+        self._size[oid] = size
         key = self._next_use(oid)
         if self._key.get(oid) != key:
             self._key[oid] = key
@@ -124,6 +126,7 @@ class PlanRanking:
 
     def discard(self, oid: str) -> None:
         self._key.pop(oid, None)
+        self._size.pop(oid, None)
 
     def _catch_up(self) -> None:
         """New keys for the entries whose next use the plan has passed since last time."""
@@ -142,11 +145,12 @@ class PlanRanking:
             self._heap = [(-key, oid) for oid, key in keys.items()]
             heapq.heapify(self._heap)
 
-    def candidates(self, later_than: int, exclude: str) -> Iterator[tuple[int, str]]:
-        """(next use, id) of own files needed later than ``later_than``, furthest first,
-        ties by id. Each is held aside until :meth:`settle`."""
+    def candidates(self, later_than: int, exclude: str) -> Iterator[Victim]:
+        """Own files needed later than ``later_than``, furthest first, ties by id, with
+        their sizes as this process last knew them. Each is held aside until
+        :meth:`settle`."""
         self._catch_up()
-        heap, keys = self._heap, self._key
+        heap, keys, sizes = self._heap, self._key, self._size
         seen: set[str] = set()
         while heap:
             negative, oid = heap[0]
@@ -159,12 +163,13 @@ class PlanRanking:
             seen.add(oid)
             self._taken.append((negative, oid))
             if oid != exclude:
-                yield -negative, oid
+                yield Victim("file", oid, sizes[oid])
 
     def settle(self, evicted: Sequence[str]) -> None:
         """Forgets the evicted entries; what was held aside but kept goes back."""
         for oid in evicted:
             self._key.pop(oid, None)
+            self._size.pop(oid, None)
         for row in self._taken:
             if row[1] in self._key:
                 heapq.heappush(self._heap, row)
@@ -178,7 +183,7 @@ def plan_order(
     as oid or sooner. ``segments``: whether any exist (then they are ranked as units, over
     their live entries: ``plan`` itself packs nothing, so they are what others left)."""
     mine = ranking.next_use(oid)
-    files = _own_files(db, ranking, ranking.candidates(mine, oid))
+    files = ranking.candidates(mine, oid)
     if not segments:
         yield from files
         return
@@ -197,28 +202,6 @@ def plan_order(
     )
     for _, kind, key, size in merged:
         yield Victim("file" if kind == 0 else "segment", key, size)
-
-
-def _own_files(
-    db: sqlite3.Connection, ranking: PlanRanking, candidates: Iterator[tuple[int, str]]
-) -> Iterator[Victim]:
-    """The candidates still cached as own files, with their sizes: read from the index
-    _LOOKAHEAD at a time (one query, not one per victim; what is read ahead but not
-    evicted goes back at ``settle``)."""
-    while chunk := [fid for _, fid in itertools.islice(candidates, _LOOKAHEAD)]:
-        marks = ", ".join("?" * len(chunk))
-        found = {
-            oid: (size, segment)
-            for oid, size, segment in db.execute(
-                f"SELECT id, size, segment FROM objects WHERE id IN ({marks})", chunk
-            )
-        }
-        for fid in chunk:
-            row = found.get(fid)
-            if row is None or row[1] is not None:
-                ranking.discard(fid)  # gone, or packed, since it was ranked
-                continue
-            yield Victim("file", fid, int(row[0]))
 
 
 def _data_version(db: sqlite3.Connection) -> int:

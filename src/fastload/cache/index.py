@@ -41,11 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from fastload.cache.budget import WAL_BYTES
+from fastload.cache.budget import WAL_BYTES, WAL_RESERVE
 from fastload.errors import CacheError
 
 FORMAT_VERSION = 3
 _CONNECT_TIMEOUT_S = 60.0
+_CHECKPOINT_WAIT_MS = 200  # how long a commit waits to reset a grown WAL (then: later)
 _RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
 _COLUMNS = "id, url, size, checksum, version, created, last_use, segment, position, start"
 
@@ -250,6 +251,7 @@ class Index:
                     db.execute("ROLLBACK")
                     raise
                 db.execute("COMMIT")
+                self._bound_wal(db)
             except sqlite3.OperationalError as exc:
                 if "full" in str(exc):
                     raise CacheError(
@@ -259,6 +261,25 @@ class Index:
                         str(self.path),
                     ) from exc
                 raise CacheError(errno.EIO, f"cache index {self.path}: {exc}") from exc
+
+    def _bound_wal(self, db: sqlite3.Connection) -> None:
+        """Resets a WAL grown past half the budget's reserve for it. The automatic
+        checkpoint (passive) never resets a WAL that other processes keep reading and
+        writing: four processes publishing at once grew it to 40 MB against its 1 MB
+        limit, over max_bytes. A TRUNCATE checkpoint waits (the busy timeout) for readers
+        on older snapshots, then empties it."""
+        try:
+            size = os.stat(f"{self.path}-wal").st_size
+        except OSError:
+            return
+        if size > WAL_RESERVE // 2:
+            # Waiting briefly: a publisher must not stall behind a long reader.
+            db.execute(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
+            try:
+                with contextlib.suppress(sqlite3.OperationalError):  # busy: the next commit
+                    db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            finally:
+                db.execute(f"PRAGMA busy_timeout={int(_CONNECT_TIMEOUT_S * 1000)}")
 
     def close(self) -> None:
         if self._db_pid == os.getpid():
@@ -348,6 +369,20 @@ class Index:
         return int(value)
 
     @staticmethod
+    def totals(db: sqlite3.Connection) -> tuple[int, int]:
+        """(bytes, files) in one query: asked on every publish under a budget."""
+        found = dict(db.execute("SELECT name, value FROM totals WHERE name IN ('bytes', 'files')"))
+        return int(found["bytes"]), int(found["files"])
+
+    @staticmethod
+    def own_file_size(db: sqlite3.Connection, oid: str) -> int | None:
+        """The size of oid's entry if it is an own file (None if absent or packed)."""
+        found = db.execute(
+            "SELECT size FROM objects WHERE id = ? AND segment IS NULL", (oid,)
+        ).fetchone()
+        return None if found is None else int(found[0])
+
+    @staticmethod
     def add_to_total(db: sqlite3.Connection, nbytes: int, files: int = 0) -> None:
         db.execute("UPDATE totals SET value = value + ? WHERE name = 'bytes'", (nbytes,))
         if files:
@@ -403,13 +438,24 @@ class Index:
 
     def remove_files(
         self, db: sqlite3.Connection, files: Sequence[tuple[str, str | int, int]]
-    ) -> None:
-        """Forgets own-file entries given as (kind, id, size) as read in this transaction."""
-        if files:
-            db.executemany(
-                "DELETE FROM objects WHERE id = ? AND segment IS NULL", [(f[1],) for f in files]
-            )
-            self.add_to_total(db, -sum(f[2] for f in files), -len(files))
+    ) -> int:
+        """Forgets own-file entries given as (kind, id, size); returns the bytes they held
+        as the index had them (one gone or packed since the caller ranked it frees none).
+        In id order, so the deletes walk the primary key's pages once, not at random."""
+        ids = sorted(str(f[1]) for f in files)
+        freed = count = 0
+        for i in range(0, len(ids), 500):  # SQLite's limit on bound parameters
+            chunk = ids[i : i + 500]
+            marks = ", ".join("?" * len(chunk))
+            sizes = db.execute(
+                f"DELETE FROM objects WHERE id IN ({marks}) AND segment IS NULL RETURNING size",
+                chunk,
+            ).fetchall()
+            freed += sum(size for (size,) in sizes)
+            count += len(sizes)
+        if count:
+            self.add_to_total(db, -freed, -count)
+        return freed
 
     @staticmethod
     def new_segment(db: sqlite3.Connection) -> int:

@@ -26,6 +26,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -247,12 +248,13 @@ class DataLoader(tud.DataLoader[Any]):
         self._live: weakref.ref[_Iteration] | None = None
         self._closed = False
         self.step = 0  # batches delivered to the training loop so far, across epochs
-        # The last state_steps deliveries: (step, the pass, its batches and samples then).
-        # The pass by weak reference: dropping the loader must stop its threads, and a
-        # reference back to the loader from here would leave that to the cycle collector.
-        self._recent: collections.deque[tuple[int, weakref.ref[_Iteration], int, int]] = (
-            collections.deque(maxlen=state_steps)
+        # The last state_steps deliveries: (step, where its pass started, its batches and
+        # samples then). Where it started, not the pass: a pass dropped (a loop left with
+        # break, on SIGTERM) must stop its threads, and its steps' states must stay.
+        self._recent: collections.deque[tuple[int, _PassStart, int, int]] = collections.deque(
+            maxlen=state_steps
         )
+        self._last_start: _PassStart | None = None  # the latest pass's
         self._manifest_snapshot: dict[str, str] | None = None
         self._preemption: PreemptionHandler | None = None
         if on_preempt is not None:
@@ -307,6 +309,7 @@ class DataLoader(tud.DataLoader[Any]):
             self._epoch = self._plan_sampler.epoch
         iteration = self._iter_fast(pending) if self._fast else self._iter_torch(pending)
         self._live = weakref.ref(iteration)
+        self._last_start = iteration.start
         _live_iterations.add(iteration)
         return iteration
 
@@ -513,35 +516,37 @@ class DataLoader(tud.DataLoader[Any]):
     def _position(self, step: int | None) -> dict[str, Any]:
         state: dict[str, Any] = {"fastload_loader": STATE_VERSION, "epoch": self._epoch}
         state["step"] = self.step
+        state["batch_size"] = self.batch_size  # how far ahead `warm --from-state` stages
         if isinstance(self.dataset, ShardedDataset):
             state["dataset"] = self._dataset_state()
         if self._pending is not None:
             return {**self._pending, **state}
         live = None if self._live is None else self._live()
         running = live is not None and not live.finished
+        start = None if live is None else live.start
         batches = samples = 0
         if live is not None and running:
             batches, samples = live.batches, live.samples
         if step is not None:
-            live, batches, samples = self._delivery_at(step)
+            start, batches, samples = self._delivery_at(step)
             running = True
             state["step"] = step
         if self._plan_sampler is not None:
             if running:
-                assert live is not None
-                assert live.plan_start is not None
-                consumed = samples if live.counted else self._consumed_by(live, batches)
-                resume = live.plan_start.then(self._plan_sampler.world_size, consumed)
+                assert start is not None
+                assert start.plan_start is not None
+                consumed = samples if start.counted else self._consumed_by(start, batches)
+                resume = start.plan_start.then(self._plan_sampler.world_size, consumed)
                 state["world_size"] = self._plan_sampler.world_size  # the same on every rank
             else:
                 resume = self._plan_sampler.upcoming_state()
             state["plan"] = resume.to_dict()
             return state
         if running:
-            assert live is not None
-            state["batches"] = live.batches_before + batches
-            state.update(live.torch_state)
-            state["rng_index"] = None if live.index_pass is None else live.index_pass.started_from
+            assert start is not None
+            state["batches"] = start.batches_before + batches
+            state.update(start.torch_state)
+            state["rng_index"] = None if start.index_pass is None else start.index_pass.started_from
         else:
             state["batches"] = 0
             state["rng_iter"] = None if self.generator is None else rng_state(self.generator)
@@ -549,18 +554,19 @@ class DataLoader(tud.DataLoader[Any]):
             state["sampler"] = self._sampler_state(None)
         return state
 
-    def _consumed_by(self, live: _Iteration, batches: int) -> int:
+    def _consumed_by(self, start: _PassStart, batches: int) -> int:
         assert self._plan_sampler is not None
-        total = live.batches_before + batches
+        total = start.batches_before + batches
         return min(total * (self.batch_size or 1), len(self._plan_sampler))
 
-    def _delivery_at(self, step: int) -> tuple[_Iteration, int, int]:
-        """(the pass, its batches, its samples) right after step was delivered."""
-        live = None if self._live is None else self._live()
-        for at, iteration, batches, samples in self._recent:
-            if at == step and live is not None and iteration() is live:
-                return live, batches, samples
-        kept = [at for at, iteration, _, _ in self._recent if iteration() is live]
+    def _delivery_at(self, step: int) -> tuple[_PassStart, int, int]:
+        """(where the pass started, its batches, its samples) right after step was
+        delivered, in the latest pass (running, over, or dropped by a loop's break)."""
+        last = self._last_start
+        for at, start, batches, samples in self._recent:
+            if at == step and last is not None and start is last:
+                return start, batches, samples
+        kept = [at for at, start, _, _ in self._recent if start is last]
         where = f"steps {kept[0]}..{kept[-1]}" if kept else "no step of this pass yet"
         raise ValueError(
             f"the loader keeps the state of its last {self._recent.maxlen} steps of the "
@@ -570,9 +576,7 @@ class DataLoader(tud.DataLoader[Any]):
 
     def _delivered(self, iteration: _Iteration) -> None:
         self.step += 1
-        self._recent.append(
-            (self.step, weakref.ref(iteration), iteration.batches, iteration.samples)
-        )
+        self._recent.append((self.step, iteration.start, iteration.batches, iteration.samples))
 
     def _dataset_state(self) -> dict[str, Any]:
         """What a restart needs to find the dataset again without listing it: its URL (no
@@ -710,6 +714,18 @@ class _InTransfer:
         self.transfer = transfer
 
 
+@dataclass(frozen=True)
+class _PassStart:
+    """Where a pass started: with its batches and samples, the state after any of its
+    steps, kept after the pass itself is dropped (it holds nothing of its threads)."""
+
+    plan_start: ResumeState | None
+    torch_state: dict[str, Any]
+    index_pass: Any
+    batches_before: int
+    counted: bool
+
+
 class _Iteration:
     """One pass over the loader, as the training loop sees it: counts what was delivered
     (for ``state_dict``), times the waits, and stops its threads when dropped."""
@@ -734,6 +750,7 @@ class _Iteration:
         self.index_pass = loader._resumable.current
         self.batches_before = batches_before
         self.counted = counted  # the source yields (samples, batch) pairs
+        self.start = _PassStart(plan_start, torch_state, self.index_pass, batches_before, counted)
         self._batched = loader._auto_collation
         self.batches = 0
         self.samples = 0

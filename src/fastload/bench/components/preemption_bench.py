@@ -8,8 +8,8 @@ ImageFolder of ``fastload.testing.synthetic``):
   (``fl.DataLoader(on_preempt=...)``; the script's own handler runs after it);
 - ``restart, warm node``: a new process on the same cache, from its start (before
   ``import fastload``) to its first batch, with the LIST and GET requests it sent;
-- ``restart, empty node``: ``fastload warm --from-state`` into an empty cache, then the
-  job, from the warm's start to the job's first batch, with their LISTs and GETs;
+- ``restart, empty node``: ``fastload warm --from-state --batches 8`` into an empty cache,
+  then the job, from the warm's start to the job's first batch, with their LISTs and GETs;
 - whether every sample was delivered exactly once across the restart (where samples are
   unique; the synthetic objects repeat eight payloads, so it is not asked there).
 
@@ -90,6 +90,9 @@ class PreemptionBenchConfig:
     step_s: float = 0.02
     latency_s: float = 0.005
     seed: int = 0  # draws the step SIGTERM arrives at
+    # Batches per rank the empty node's `warm --from-state` stages before the job starts: its
+    # first batch then measures the restart, not the download of the rest of the epoch.
+    warm_batches: int = 8
 
     @classmethod
     def quick(cls) -> PreemptionBenchConfig:
@@ -185,6 +188,7 @@ def _case(
         state,
         cache_dir=str(work / "node-b"),
         storage_options=server.storage_options,
+        batches=config.warm_batches,
         progress=False,
     )
     third = _start(work, {**restart, "cache": str(work / "node-b"), "resume": str(state)}, "third")
