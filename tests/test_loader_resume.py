@@ -491,3 +491,28 @@ def test_a_state_from_one_kind_of_loader_is_refused_by_another(
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1:])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_checkpoint_after_a_loop_left_with_break_continues_after_its_last_batch(
+    source: Source, tmp_path: Path, workers: int
+) -> None:
+    """`for batch in loader: ... break` then `loader.state_dict()` (a SIGTERM handler's
+    pattern): the state is after the last delivered batch, not the epoch's start again."""
+    dataset = _open(source, "folder", tmp_path)
+    make = _decoding(dataset, workers)
+    uninterrupted = make()
+    full = [copied(b) for b in uninterrupted]
+    uninterrupted.close()
+    saving = make()
+    for i, _ in enumerate(saving):
+        if i == 3:
+            break  # the pass is dropped here, after 4 batches were delivered
+    state = saving.state_dict()
+    saving.close()
+    assert state["step"] == 4
+    resuming = make()
+    resuming.load_state_dict(state)
+    rest = [copied(b) for b in resuming]
+    resuming.close()
+    assert same_batches(rest, full[4:])

@@ -255,6 +255,7 @@ class DataLoader(tud.DataLoader[Any]):
             maxlen=state_steps
         )
         self._last_start: _PassStart | None = None  # the latest pass's
+        self._last_over = False  # whether the latest pass ran to its end
         self._manifest_snapshot: dict[str, str] | None = None
         self._preemption: PreemptionHandler | None = None
         if on_preempt is not None:
@@ -288,11 +289,14 @@ class DataLoader(tud.DataLoader[Any]):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         self._epoch = epoch
+        self._last_over = True  # a dropped pass's position no longer says where we are
         set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_sampler_epoch):
             set_sampler_epoch(epoch)
 
     def _finished(self, iteration: _Iteration) -> None:
+        if iteration.start is self._last_start:
+            self._last_over = True
         if self._live is not None and self._live() is iteration and self._plan_sampler:
             self.set_epoch(self._epoch + 1)
 
@@ -310,6 +314,7 @@ class DataLoader(tud.DataLoader[Any]):
         iteration = self._iter_fast(pending) if self._fast else self._iter_torch(pending)
         self._live = weakref.ref(iteration)
         self._last_start = iteration.start
+        self._last_over = False
         _live_iterations.add(iteration)
         return iteration
 
@@ -527,6 +532,10 @@ class DataLoader(tud.DataLoader[Any]):
         batches = samples = 0
         if live is not None and running:
             batches, samples = live.batches, live.samples
+        if step is None and live is None and self._dropped_mid_pass():
+            # A loop left with break (on SIGTERM, say) dropped its pass: the checkpoint
+            # taken next is of the batches it delivered, not of the epoch's start again.
+            step = self.step
         if step is not None:
             start, batches, samples = self._delivery_at(step)
             running = True
@@ -558,6 +567,14 @@ class DataLoader(tud.DataLoader[Any]):
         assert self._plan_sampler is not None
         total = start.batches_before + batches
         return min(total * (self.batch_size or 1), len(self._plan_sampler))
+
+    def _dropped_mid_pass(self) -> bool:
+        """Whether the latest pass was dropped before its end after delivering this
+        loader's latest step."""
+        if self._last_over or not self._recent:
+            return False
+        at, start, _, _ = self._recent[-1]
+        return at == self.step and start is self._last_start
 
     def _delivery_at(self, step: int) -> tuple[_PassStart, int, int]:
         """(where the pass started, its batches, its samples) right after step was
