@@ -180,7 +180,13 @@ def _phase(name: str, what: str, timeline: Timeline, stats: dict[str, Any]) -> P
         cpu_cores=round(cores, 3),
         stage_s=stage_s,
         bytes_fetched=int(stats.get("counts", {}).get("bytes_fetched", 0)),
+        hit_rate=_hit_rate(stats.get("counts", {})),
     )
+
+
+def _hit_rate(counts: dict[str, Any]) -> float | None:
+    hits, misses = int(counts.get("cache_hits", 0)), int(counts.get("cache_misses", 0))
+    return round(hits / (hits + misses), 4) if hits + misses else None
 
 
 def run_step_alone(

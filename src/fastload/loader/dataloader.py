@@ -38,6 +38,7 @@ from fastload.datasets.base import ShardedDataset
 from fastload.decode import choose_backend, make_decoder
 from fastload.decode.base import Decoder
 from fastload.errors import DatasetMismatchError
+from fastload.loader import autotune as tuning
 from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.pipeline import Pipeline
@@ -89,7 +90,8 @@ class DataLoader(tud.DataLoader[Any]):
     torchrun's environment); ``shard`` (None: shard fastload datasets by the plan, leave
     others as torch would); cache settings used when ``dataset`` is a URL; prefetch depth
     (``prefetch_batches``), staging look-ahead (``lookahead_bytes``), ring depth
-    (``ring_slots``).
+    (``ring_slots``); ``autotune`` (True, or a dict of bounds: the loader tunes those three
+    as it runs, see ``fastload.loader.autotune``).
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class DataLoader(tud.DataLoader[Any]):
         thread_nice: int = DEFAULT_THREAD_NICE,
         state_steps: int = DEFAULT_STATE_STEPS,
         on_preempt: str | os.PathLike[str] | None = None,
+        autotune: bool | Mapping[str, Any] = False,
     ) -> None:
         cache_settings: dict[str, Any] = {
             "cache_dir": cache_dir,
@@ -246,6 +249,9 @@ class DataLoader(tud.DataLoader[Any]):
             collections.deque(maxlen=state_steps)
         )
         self._manifest_snapshot: dict[str, str] | None = None
+        if autotune and not self._fast:
+            raise ValueError("autotune tunes fastload's own threads: give it a fastload dataset")
+        self._autotune = tuning.make(autotune, self)
         self._preemption: PreemptionHandler | None = None
         if on_preempt is not None:
             self._preemption = PreemptionHandler(on_preempt, _state_of(weakref.ref(self)))
@@ -349,6 +355,8 @@ class DataLoader(tud.DataLoader[Any]):
             window = (max(ahead, prefetch) + round_batches) * per_batch
             store.holding.resize(max(window, _MIN_HOLD_BYTES))
         staging = workers > 0 and ahead > 0
+        if self._autotune is not None:
+            self._autotune.new_pass()
         pipeline = Pipeline(
             items,
             load,
@@ -486,6 +494,8 @@ class DataLoader(tud.DataLoader[Any]):
         that a checkpoint of the model at step k saves the loader at k, whatever the
         loader has prefetched or delivered since."""
         state = self._position(step)
+        if self._autotune is not None:
+            state["autotune"] = self._autotune.state_dict()
         if isinstance(self.dataset, ShardedDataset):
             state["fingerprint"] = self.dataset.fingerprint
             state["objects"] = len(self.dataset.store.manifest)
@@ -601,6 +611,8 @@ class DataLoader(tud.DataLoader[Any]):
                 "epoch again"
             )
         self._drop_iterations()
+        if self._autotune is not None and "autotune" in state:  # a resumed job starts tuned
+            tuning.resume(self._autotune, self, state["autotune"])
         epoch = int(state.get("epoch", 0))
         self.step = int(state.get("step", 0))
         self._recent.clear()
@@ -651,6 +663,8 @@ class DataLoader(tud.DataLoader[Any]):
         snapshot["path"] = "fastload" if self._fast else "torch"
         snapshot["epoch"] = self._epoch
         snapshot["num_workers"] = self.num_workers
+        if self._autotune is not None:
+            snapshot["autotune"] = self._autotune.report()
         snapshot["device"] = None if self.device is None else str(self.device)
         snapshot["decode"] = self.decode
         if self._ring is not None:
@@ -753,6 +767,8 @@ class _Iteration:
         done = time.perf_counter()
         self._stats.add("wait", done - now)
         self._returned_at = done
+        if self._loader._autotune is not None:
+            tuning.follow(self._loader._autotune, self._loader, self._source, now, done)
         return batch
 
     def _finish(self) -> None:
