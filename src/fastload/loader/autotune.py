@@ -46,6 +46,7 @@ class Bounds:
     window_batches: int = 8  # batches per measured window, at least
     window_s: float = 0.5  # seconds of the loop per window, at least
     gain: float = 1.05  # a move is kept where the rate improves by this factor
+    keeps_pace: float = KEEPS_PACE  # below this share of the loop waiting, tuning stops
 
     @classmethod
     def from_setting(cls, setting: bool | Mapping[str, Any]) -> Bounds:
@@ -141,7 +142,7 @@ class Autotuner:
                 return self.knobs
         else:
             self.base_rate = rate
-        if waiting < KEEPS_PACE:
+        if waiting < self.bounds.keeps_pace:
             self._converge("the step no longer waits for the loader")
             return None
         for move in MOVES:
