@@ -191,12 +191,14 @@ def confidence(m: Measured, model: Model, basis: Phase, neck: str) -> float:
     util = model.utilization(current_s(m, model, basis))
     ratios.append(util / SATURATED)
     if neck != "none":
+        line = max(FETCH_BOUND * m.train.samples_per_s, 1e-9)
         if basis.name == "cold" and m.cold is not None:
-            ratios.append(m.cold.samples_per_s / max(FETCH_BOUND * m.train.samples_per_s, 1e-9))
+            ratios.append(m.cold.samples_per_s / line)
         if basis.name == "budget" and m.budget is not None:
-            ratios.append(m.budget.samples_per_s / max(FETCH_BOUND * m.train.samples_per_s, 1e-9))
-        if neck == "gil" or (m.workers > 0 and model.step_alone > 0):
-            ratios.append(model.step / max(1.1 * model.step_alone, 1e-9))
+            ratios.append(m.budget.samples_per_s / line)
+        gil_close = m.workers > 0 and model.step >= 0.9 * model.measured_s
+        if neck != "fetch" and gil_close and model.step_alone > 0:
+            ratios.append(model.step / (1.1 * model.step_alone))
     margin = min(abs(math.log(max(r, 1e-9))) for r in ratios)
     return round(0.5 * (1 + math.erf(margin / RATE_NOISE / math.sqrt(2))), 3)
 
