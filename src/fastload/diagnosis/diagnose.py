@@ -195,8 +195,14 @@ class _Diagnosis:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for path in self.work_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+        # A closed loader's fetch in flight (a slow remote's) may still land in its cache:
+        # remove again until it stays removed.
+        for attempt in range(20):
+            for path in self.work_dirs:
+                shutil.rmtree(path, ignore_errors=True)
+            if not any(path.exists() for path in self.work_dirs):
+                return
+            time.sleep(0.1 * (attempt + 1))
 
     def _run(
         self,

@@ -43,6 +43,7 @@ class Phase:
     stage_s: dict[str, float] = field(default_factory=dict)
     bytes_fetched: int = 0
     hit_rate: float | None = None  # of the objects the loader read, the share cached already
+    others_cores: float | None = None  # cores other processes kept busy meanwhile
     skipped: str | None = None  # why the phase did not run
 
 

@@ -293,22 +293,11 @@ def follow(tuner: Autotuner, loader: Any, source: Any, asked: float, delivered: 
     retune = getattr(source, "retune", None)
     if callable(retune):
         per_batch = max(1, tuner.batch_bytes)
-        _hold_for(loader, knobs, per_batch)
+        # Memory for the objects staged ahead grows with the look-ahead.
+        loader._size_holding(knobs.lookahead_bytes // per_batch, loader._prefetch_depth())
         retune(
             workers=knobs.num_workers,
             prefetch=loader._prefetch_depth(),
             lookahead=knobs.lookahead_bytes // per_batch,
         )
 
-
-def _hold_for(loader: Any, knobs: Knobs, per_batch: int) -> None:
-    """Memory for the objects staged ahead grows with the look-ahead, as the loader sizes
-    it when a pass starts (where the user left it to the loader)."""
-    from fastload.loader.dataloader import _MIN_HOLD_BYTES, _STAGE_ROUND_OBJECTS
-
-    store = loader.dataset.store
-    if store.config.fetch.hold_bytes is None:
-        ahead = knobs.lookahead_bytes // per_batch
-        rounds = max(1, _STAGE_ROUND_OBJECTS // (loader.batch_size or 1))
-        window = (max(ahead, knobs.prefetch_batches) + rounds) * per_batch
-        store.holding.resize(max(window, _MIN_HOLD_BYTES))

@@ -350,10 +350,7 @@ class DataLoader(tud.DataLoader[Any]):
         ahead = self.lookahead_bytes // per_batch  # batches staged ahead; 0: none
         round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
         prefetch = self._prefetch_depth()
-        store = builder.dataset.store
-        if store.config.fetch.hold_bytes is None:  # hold what the staging window holds
-            window = (max(ahead, prefetch) + round_batches) * per_batch
-            store.holding.resize(max(window, _MIN_HOLD_BYTES))
+        self._size_holding(ahead, prefetch)
         staging = workers > 0 and ahead > 0
         if self._autotune is not None:
             self._autotune.new_pass()
@@ -389,6 +386,16 @@ class DataLoader(tud.DataLoader[Any]):
             return pending.get("sampler")
         state_dict = getattr(self.sampler, "state_dict", None)
         return state_dict() if callable(state_dict) else None
+
+    def _size_holding(self, ahead: int, prefetch: int) -> None:
+        """Holds what the staging window holds (unless the user sized it)."""
+        assert isinstance(self.dataset, ShardedDataset)  # the fast path's datasets
+        store = self.dataset.store
+        if store.config.fetch.hold_bytes is None:
+            per_batch = max(1, self._bytes_per_sample() * (self.batch_size or 1))
+            round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
+            window = (max(ahead, prefetch) + round_batches) * per_batch
+            store.holding.resize(max(window, _MIN_HOLD_BYTES))
 
     def _bytes_per_sample(self) -> int:
         assert isinstance(self.dataset, ShardedDataset)  # the fast path's datasets

@@ -98,7 +98,7 @@ def run_point(point: GridPoint, work: Path, phase_s: float) -> dict[str, Any]:
         )
     shutil.rmtree(cache, ignore_errors=True)
     now = report.verdict.samples_per_s
-    applied = [
+    applied: list[dict[str, Any]] = [
         {
             "fix": a.fix,
             "change": a.change,
@@ -125,6 +125,15 @@ def run_point(point: GridPoint, work: Path, phase_s: float) -> dict[str, Any]:
         "best_measured": None if best is None else best["fix"],
         "applied": applied,
         "cache": report.cache,
+        "phases": {
+            name: {
+                "samples_per_s": p.samples_per_s,
+                "others_cores": p.others_cores,
+                "hit_rate": p.hit_rate,
+            }
+            for name, p in report.phases.items()
+            if p.skipped is None
+        },
     }
 
 
@@ -179,9 +188,7 @@ def lines(summary: dict[str, Any]) -> list[str]:
     ]
     out.append(f"{'fix':<18}{'n':>4}{'median':>9}{'p90':>9}{'worst':>9}")
     for fix, e in summary["errors"].items():
-        out.append(
-            f"{fix:<18}{e['n']:>4}{e['median']:>9.1%}{e['p90']:>9.1%}{e['worst']:>9.1%}"
-        )
+        out.append(f"{fix:<18}{e['n']:>4}{e['median']:>9.1%}{e['p90']:>9.1%}{e['worst']:>9.1%}")
     return out
 
 
