@@ -101,7 +101,8 @@ def test_the_state_dict_carries_the_tuned_settings(folder: Path, tmp_path: Path)
         tuned = a.stats()["autotune"]
     assert state["autotune"]["changes"]
     kept = state["autotune"]
-    with _loader(folder, tmp_path / "c", num_workers=1, prefetch_batches=1, autotune=True) as b:
+    resume = {"max_workers": RESTLESS["max_workers"]}  # the same bounds as the saved job's
+    with _loader(folder, tmp_path / "c", num_workers=1, prefetch_batches=1, autotune=resume) as b:
         b.load_state_dict(state)
         resumed = b.stats()
         assert resumed["num_workers"] == kept["num_workers"]
