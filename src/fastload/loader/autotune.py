@@ -300,4 +300,3 @@ def follow(tuner: Autotuner, loader: Any, source: Any, asked: float, delivered: 
             prefetch=loader._prefetch_depth(),
             lookahead=knobs.lookahead_bytes // per_batch,
         )
-
