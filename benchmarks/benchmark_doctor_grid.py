@@ -5,7 +5,8 @@ Command (24 configurations, each one ``fl.doctor(..., apply=True)`` of ~15-40 s 
 
     .venv/bin/python benchmarks/benchmark_doctor_grid.py --out fastload-bench
 
-``--development`` runs the grid the model may be tuned on (seed 35) instead; ``--points N``
+``--cache STATE`` only the configurations with that cache state; ``--development``
+runs the grid the model may be tuned on (seed 35) instead; ``--points N``
 the first N configurations; ``--repeats R`` each configuration R times (the verdict's
 stability). Writes ``doctor-grid-<seed>.jsonl`` (a record per run) and ``.json`` (the
 error distribution per fix type) into ``--out``.
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--phase-s", type=float, default=1.5)
+    parser.add_argument("--cache", choices=["cold", "warm", "budget"], help="only these")
     args = parser.parse_args()
     config = doctor_grid_bench.GridBenchConfig(
         seed=args.seed,
@@ -33,6 +35,7 @@ def main() -> None:
         phase_s=args.phase_s,
         repeats=args.repeats,
         development=args.development,
+        cache=args.cache,
     )
     summary = doctor_grid_bench.run(args.out, config)
     print(f"seed {summary['seed']} ({summary['seed_from']})")

@@ -270,9 +270,13 @@ class _Diagnosis:
         device = self.settings.get("device")
         self.phases["h2d"] = measure.run_h2d(first, device, self.batch_size, budget_s=1.0)
         if self.budget is not None and self.budget < self.share_bytes:
-            self.phases["budget"] = self._steady_epoch("budget", self.budget, self.policy)
+            self.phases["budget"] = self._steady_epoch(
+                "budget", self.budget, self.policy, first=self.phases["cold"].skipped is not None
+            )
 
-    def _steady_epoch(self, name: str, max_bytes: int | None, policy: str) -> Phase:
+    def _steady_epoch(
+        self, name: str, max_bytes: int | None, policy: str, *, first: bool = False
+    ) -> Phase:
         """An epoch after the first with a cache of ``max_bytes`` for the share (scaled to
         the measured samples) under ``policy``: the first epoch staged into it, the next
         read (with the step) in another order, as a shuffled job's next epoch is."""
@@ -281,6 +285,14 @@ class _Diagnosis:
         scale = len(self.cold_indices) / max(1, len(self.dataset) * self.lws // self.world_size)
         budget = None if max_bytes is None else max(1, int(max_bytes * min(1.0, scale)))
         target = self._temporary_cache(max_bytes=budget, policy=policy)
+        if first:  # the first epoch measured too: the rate at which every batch misses
+            self.phases["first"], _ = self._run(
+                "first",
+                "loader + step from the remote into an empty cache with the budget",
+                target,
+                self.cold_indices,
+                budget=1.0,
+            )
         _stage(target, self.cold_indices)
         order = np.random.default_rng(len(self.phases)).permutation(self.cold_indices)
         held = "no budget" if budget is None else f"a budget of {budget:,} bytes"
@@ -308,6 +320,7 @@ class _Diagnosis:
             cold=None if phases["cold"].skipped else phases["cold"],
             h2d=None if phases["h2d"].skipped else phases["h2d"],
             budget=phases.get("budget"),
+            first=phases.get("first"),
             cached_fraction=self.cached,
             dataset_samples=math.ceil(len(dataset) / self.world_size),
             share_bytes=self.share_bytes,

@@ -53,6 +53,7 @@ class Measured:
     cold: Phase | None = None
     h2d: Phase | None = None
     budget: Phase | None = None  # an epoch after the first with the cache's budget
+    first: Phase | None = None  # a first epoch into the budgeted cache (without a cold one)
     cached_fraction: float = 1.0  # of the measured samples' objects, in the cache already
     dataset_samples: int = 0  # this rank's share of an epoch
     share_bytes: int = 0  # this node's share of the dataset
@@ -355,20 +356,22 @@ def fixes(
 
 
 def _cache_fixes(m: Measured, model: Model, advice: CacheAdvice, add: Any) -> None:
-    """A budget of the share where the disk has room, and a policy that keeps what the
-    budget holds: each predicted from the epoch measured with the budget now. Its batches
-    are a mix of warm ones (at the train phase's time) and ones that wait on the remote;
-    the measured hit rate splits the epoch's time between them."""
+    """A budget of the share where the disk has room (the warm rate), and a policy that
+    keeps what the budget holds (its hit rate's share of an all-miss epoch's fetching)."""
     assert m.budget is not None
     assert m.cache_budget is not None
     now_s = model.B / max(m.budget.samples_per_s, 1e-9)
     warm_s = model.measured_s
     hit_now = m.budget.hit_rate if m.budget.hit_rate is not None else 0.0
-    # A batch that misses: what the epoch's time says (or the cold phase, where all hit).
-    miss_s = (now_s - hit_now * warm_s) / max(1.0 - hit_now, 0.05)
-    if m.cold is not None and hit_now > 0.9:
-        miss_s = model.B / max(m.cold.samples_per_s, 1e-9)
-    miss_s = max(miss_s, warm_s)
+    # Misses are fetched ahead, overlapped: an epoch that misses a share of its objects
+    # waits for that share of an all-miss epoch's fetching, or decodes at the warm rate.
+    # The all-miss rate is a first epoch's (measured cold); without one, what the budget
+    # epoch now took for the share it missed.
+    cold = m.cold if m.cold is not None else m.first
+    if cold is not None and cold.samples_per_s > 0:
+        miss_s = model.B / cold.samples_per_s
+    else:
+        miss_s = now_s / max(1.0 - hit_now, 0.05)
     share = m.share_bytes
     if advice.max_bytes >= share:
         add(
@@ -389,7 +392,7 @@ def _cache_fixes(m: Measured, model: Model, advice: CacheAdvice, add: Any) -> No
             {"policy": policy},
             f"policy {m.budget_policy!r} read {hit_now:.0%} of the last epoch from the cache; "
             f"{policy!r} keeps what the budget holds: {hit:.0%} of each epoch",
-            hit * warm_s + (1 - hit) * miss_s,
+            max(warm_s, (1 - hit) * miss_s),
             floor=False,
         )
 

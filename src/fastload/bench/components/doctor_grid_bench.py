@@ -46,6 +46,7 @@ class GridBenchConfig:
     phase_s: float = 1.5
     repeats: int = 1  # runs of each configuration (the verdict's stability)
     development: bool = False  # the development grid (DEVELOPMENT_SEED) instead
+    cache: str | None = None  # only the configurations with this cache state
 
 
 def resolve_seed(config: GridBenchConfig) -> tuple[int, str]:
@@ -194,11 +195,13 @@ def lines(summary: dict[str, Any]) -> list[str]:
 
 def run(out_dir: str | os.PathLike[str], config: GridBenchConfig) -> dict[str, Any]:
     seed, source = resolve_seed(config)
-    points = draw(seed)[: config.points]
+    points = [p for p in draw(seed) if config.cache in (None, p.cache)][: config.points]
     out = Path(out_dir)
     work = out / "data" / "doctor-grid"
     work.mkdir(parents=True, exist_ok=True)
-    records_path = out / f"doctor-grid-{seed}.jsonl"
+    records_path = (
+        out / f"doctor-grid-{seed}{'' if config.cache is None else '-' + config.cache}.jsonl"
+    )
     records: list[dict[str, Any]] = []
     with records_path.open("w") as f:
         for point in points:
