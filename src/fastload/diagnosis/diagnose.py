@@ -395,6 +395,8 @@ class _Diagnosis:
                 "rank": self.rank,
                 "cores_per_rank": round(per_rank, 3),
                 "loader_cores_beside_step": round(max(0.0, per_rank - model.step_cores), 3),
+                # cores other processes kept busy while the loader ran (left out of the model)
+                "others_cores": round(model.others, 3),
                 "device": _plain(self.settings.get("device")),
             },
             step={
