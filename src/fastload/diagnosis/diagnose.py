@@ -294,7 +294,10 @@ class _Diagnosis:
                 budget=1.0,
             )
         _stage(target, self.cold_indices)
-        order = np.random.default_rng(len(self.phases)).permutation(self.cold_indices)
+        # Epochs after the first, each in a new order: enough batches that the rate is not
+        # the prefetch queue draining (one epoch of a small share is a few batches).
+        rng = np.random.default_rng(len(self.phases))
+        order = np.concatenate([rng.permutation(self.cold_indices) for _ in range(3)])
         held = "no budget" if budget is None else f"a budget of {budget:,} bytes"
         phase, _ = self._run(
             name,
