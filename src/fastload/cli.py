@@ -470,6 +470,7 @@ def doctor_settings(args: argparse.Namespace) -> dict[str, Any]:
         "format": args.format or "auto",
         "cache_dir": args.cache_dir,
         "max_bytes": args.max_bytes,
+        "usd_per_gb": args.usd_per_gb,
         "batch_size": args.batch_size,
         "num_workers": args.workers,
         "decode": None if args.decode == "none" else args.decode,
@@ -664,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     money.add_argument("--spot", action="store_true", help="Spot capacity: take its discount")
     money.add_argument("--spot-discount", type=float, help="default 0.65")
     money.add_argument("--epochs-per-day", type=_non_negative, help="for the cost per day")
+    money.add_argument(
+        "--usd-per-gb", type=_non_negative, help="the remote's price per GB read (cache advice)"
+    )
     loader = doctor.add_argument_group("the loader (as fl.DataLoader takes them)")
     loader.add_argument("--batch-size", type=positive_int, default=64)
     loader.add_argument("--workers", type=int, default=2, help="num_workers: loader threads")
@@ -684,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="measure a first epoch from the remote (default: when the cache lacks the data)",
     )
-    run.add_argument("--apply", action="store_true", help="re-measure with the top fix applied")
+    run.add_argument("--apply", action="store_true", help="re-measure with each fix that runs here")
     run.add_argument("--phase-s", type=float, default=4.0, help="seconds per phase (default 4)")
     run.add_argument("--rank", type=int, help="this rank (default: torchrun's RANK, else 0)")
     run.add_argument("--world-size", type=positive_int, help="ranks in the job (GPUs paid for)")

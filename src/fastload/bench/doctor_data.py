@@ -27,7 +27,7 @@ def builtin_remote(
     out: Path, *, samples: int = SAMPLES, latency_s: float = 0.02, bandwidth: float | None = 100e6
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """(URL, storage_options) of the generated dataset on a loopback S3 server, while open."""
-    if importlib.util.find_spec("s3fs") is None:
+    if importlib.util.find_spec("s3fs") is None and importlib.util.find_spec("obstore") is None:
         raise MissingBackendError(
             "fastload doctor without a URL serves a generated dataset over S3, which needs "
             "s3fs: pip install 'fastload[bench]' (or give a URL of your own)"

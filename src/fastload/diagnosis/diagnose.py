@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from fastload.datasets.base import ShardedDataset
-from fastload.diagnosis import measure, predict
+from fastload.diagnosis import cache_advice, measure, predict
 from fastload.diagnosis.measure import PhaseProgress
 from fastload.diagnosis.prices import SPOT_DISCOUNT, Price, price_for
-from fastload.diagnosis.report import SCHEMA_VERSION, Applied, Phase, Report
+from fastload.diagnosis.report import SCHEMA_VERSION, Applied, Fix, Phase, Report
 from fastload.diagnosis.steps import Step, model_step
 from fastload.errors import FastloadError
 from fastload.resources import container_note, resources, usable_cpus
@@ -85,6 +85,7 @@ def doctor(
     cache_dir: str | None = None,
     storage_options: dict[str, Any] | None = None,
     max_bytes: int | None = None,
+    usd_per_gb: float | None = None,
     **loader_settings: Any,
 ) -> Report:
     """Where the training step waits for data, what that costs, and the fix.
@@ -95,7 +96,9 @@ def doctor(
     each batch), ``model`` (a real model's training step on the loader's device), or
     ``step_ms`` (a sleep, or with ``step_holds_gil`` a busy loop holding the GIL).
     ``cold``: measure the first epoch from the remote too (None: when the cache does not
-    hold the measured samples). ``apply``: re-measure with the top fix applied.
+    hold the measured samples). ``apply``: re-measure with each fix that runs here applied
+    (``report.applied_fixes``; ``report.applied`` is the top one). ``usd_per_gb``: the
+    remote's price per GB read, for the cache advice's cost of an epoch.
     """
     started = time.perf_counter()
     if phase_s <= 0:
@@ -117,12 +120,21 @@ def doctor(
         # a training job's (shuffled, every sample).
         job_order = (plan.seed, plan.shuffle, plan.drop_last) if plan is not None else None
         with _Diagnosis(
-            dataset, settings, the_step, world, phase_s, bar, notes, job_order=job_order
+            dataset,
+            settings,
+            the_step,
+            world,
+            phase_s,
+            bar,
+            notes,
+            job_order=job_order,
+            usd_per_gb=usd_per_gb,
         ) as diagnosis:
             diagnosis.run_phases(cold)
             report = diagnosis.report(usd, epochs_per_day)
             if apply:
-                report.applied = diagnosis.apply(report)
+                report.applied_fixes = diagnosis.apply_all(report)
+                report.applied = report.applied_fixes[0] if report.applied_fixes else None
         report.budget_s = round(time.perf_counter() - started, 3)
         return report
     finally:
@@ -145,8 +157,10 @@ class _Diagnosis:
         notes: list[str],
         *,
         job_order: tuple[int, bool, bool] | None = None,
+        usd_per_gb: float | None = None,
     ) -> None:
         self.dataset, self.settings, self.step = dataset, settings, step
+        self.usd_per_gb = usd_per_gb
         self.job_order = job_order  # (seed, shuffle, drop_last) of the job's plan, if known
         self.rank, self.world_size, self.lws = world
         self.phase_s, self.bar, self.notes = phase_s, progress, notes
@@ -168,6 +182,10 @@ class _Diagnosis:
             self.cold_indices, measure.MAX_WARM_BATCHES, self.batch_size
         )
         self.cached = _cached_fraction(dataset, self.cold_indices)
+        total = dataset.store.manifest.total_bytes
+        self.share_bytes = total * self.lws // self.world_size
+        self.budget = dataset.store.config.max_bytes
+        self.policy = str(dataset.store.config.policy)
         self.warm_ds = dataset  # the dataset over the cache the warm phases read
         self.phases: dict[str, Phase] = {}
         self.work_dirs: list[Path] = []
@@ -176,8 +194,14 @@ class _Diagnosis:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for path in self.work_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+        # A closed loader's fetch in flight (a slow remote's) may still land in its cache:
+        # remove again until it stays removed.
+        for attempt in range(20):
+            for path in self.work_dirs:
+                shutil.rmtree(path, ignore_errors=True)
+            if not any(path.exists() for path in self.work_dirs):
+                return
+            time.sleep(0.1 * (attempt + 1))
 
     def _run(
         self,
@@ -244,6 +268,44 @@ class _Diagnosis:
         )
         device = self.settings.get("device")
         self.phases["h2d"] = measure.run_h2d(first, device, self.batch_size, budget_s=1.0)
+        if self.budget is not None and self.budget < self.share_bytes:
+            self.phases["budget"] = self._steady_epoch(
+                "budget", self.budget, self.policy, first=self.phases["cold"].skipped is not None
+            )
+
+    def _steady_epoch(
+        self, name: str, max_bytes: int | None, policy: str, *, first: bool = False
+    ) -> Phase:
+        """An epoch after the first with a cache of ``max_bytes`` for the share (scaled to
+        the measured samples) under ``policy``: the first epoch staged into it, the next
+        read (with the step) in another order, as a shuffled job's next epoch is."""
+        import numpy as np
+
+        scale = len(self.cold_indices) / max(1, len(self.dataset) * self.lws // self.world_size)
+        budget = None if max_bytes is None else max(1, int(max_bytes * min(1.0, scale)))
+        target = self._temporary_cache(max_bytes=budget, policy=policy)
+        if first:  # the first epoch measured too: the rate at which every batch misses
+            self.phases["first"], _ = self._run(
+                "first",
+                "loader + step from the remote into an empty cache with the budget",
+                target,
+                self.cold_indices,
+                budget=1.0,
+            )
+        _stage(target, self.cold_indices)
+        # Epochs after the first, each in a new order: enough batches that the rate is not
+        # the prefetch queue draining (one epoch of a small share is a few batches).
+        rng = np.random.default_rng(len(self.phases))
+        order = np.concatenate([rng.permutation(self.cold_indices) for _ in range(3)])
+        held = "no budget" if budget is None else f"a budget of {budget:,} bytes"
+        phase, _ = self._run(
+            name,
+            f"loader + step, an epoch after the first, {held}, policy {policy}",
+            target,
+            [int(i) for i in order],
+            budget=2.0,
+        )
+        return phase
 
     def measured(self) -> predict.Measured:
         phases, dataset = self.phases, self.dataset
@@ -259,10 +321,13 @@ class _Diagnosis:
             train=phases["train"],
             cold=None if phases["cold"].skipped else phases["cold"],
             h2d=None if phases["h2d"].skipped else phases["h2d"],
+            budget=phases.get("budget"),
+            first=phases.get("first"),
             cached_fraction=self.cached,
             dataset_samples=math.ceil(len(dataset) / self.world_size),
-            share_bytes=total * self.lws // self.world_size,
-            cache_budget=dataset.store.cache.config.max_bytes,
+            share_bytes=self.share_bytes,
+            cache_budget=self.budget,
+            budget_policy=self.policy,
             lookahead_bytes=int(self.settings.get("lookahead_bytes") or _default_lookahead()),
             bytes_per_sample=total / max(1, len(dataset)),
             gpus=self.world_size,
@@ -273,6 +338,16 @@ class _Diagnosis:
         model = predict.Model(m)
         basis = predict.basis_phase(m)
         neck = predict.bottleneck(m, model, basis)
+        advice = cache_advice.advise(
+            share_bytes=self.share_bytes,
+            free=cache_advice.free_bytes(
+                self.dataset.store.cache.dir, self.dataset.store.cache.used_bytes()
+            ),
+            budget=self.budget,
+            policy=self.policy,
+            order_known=self.job_order is not None,
+            usd_per_gb=self.usd_per_gb,
+        )
         fixes = []
         if neck == "none":
             self.notes.append("nothing to fix on the data side: the step keeps the GPU busy")
@@ -292,6 +367,7 @@ class _Diagnosis:
                 usd_per_gpu_hour=usd.usd_per_gpu_hour,
                 warm_command=warm,
                 dali_rate=self._dali_rate() if neck == "decode" else None,
+                advice=advice,
             )
         verdict = predict.verdict(
             m,
@@ -321,6 +397,8 @@ class _Diagnosis:
                 "rank": self.rank,
                 "cores_per_rank": round(per_rank, 3),
                 "loader_cores_beside_step": round(max(0.0, per_rank - model.step_cores), 3),
+                # cores other processes kept busy while the loader ran (left out of the model)
+                "others_cores": round(model.others, 3),
                 "device": _plain(self.settings.get("device")),
                 "resources": resources().as_dict(),
             },
@@ -335,6 +413,7 @@ class _Diagnosis:
             bottleneck=neck,
             verdict=verdict,
             fixes=fixes,
+            cache=advice.to_dict(),
             notes=self.notes,
         )
 
@@ -364,22 +443,33 @@ class _Diagnosis:
         )
         return phase.samples_per_s
 
-    def apply(self, report: Report) -> Applied | None:
-        """Re-measures with the top fix that can run here, as the figure it improves was."""
-        fix = next((f for f in report.fixes if f.applicable), None)
-        if fix is None:
+    def apply_all(self, report: Report) -> list[Applied]:
+        """Re-measures each fix that can run here (best predicted first), each as the
+        figure it improves was measured."""
+        runnable = [f for f in report.fixes if f.applicable]
+        if not runnable:
             why = (
                 f" (the top one, {report.fixes[0].name}, needs the node changed)"
                 if report.fixes
                 else ""
             )
             report.notes.append(f"--apply: no fix to apply here{why}")
-            return None
+        return [self.apply(report, fix) for fix in runnable]
+
+    def apply(self, report: Report, fix: Fix) -> Applied:
+        """Re-measures with ``fix``, as the figure it improves was."""
         changed = {
             **self.settings,
             **{k: v for k, v in fix.change.items() if k in _LOADER_SETTINGS},
         }
-        if fix.name == "warm":
+        phase: Phase | None = None
+        if fix.name in ("max_bytes", "policy"):
+            phase = self._steady_epoch(
+                "applied",
+                _int_or_none(fix.change.get("max_bytes", self.budget)),
+                str(fix.change.get("policy", self.policy)),
+            )
+        elif fix.name == "warm":
             target, indices, budget = self._temporary_cache(), self.warm_indices, 1.0
             _stage(target, self.cold_indices)
             what = "after warming the measured samples"
@@ -389,14 +479,15 @@ class _Diagnosis:
         else:
             target, indices, budget = self.warm_ds, self.warm_indices, 1.0
             what = "from a warm cache"
-        phase, _ = self._run(
-            "applied",
-            f"loader + step {what}, with {fix.name} changed ({fix.change})",
-            target,
-            indices,
-            settings=changed,
-            budget=budget,
-        )
+        if phase is None:
+            phase, _ = self._run(
+                "applied",
+                f"loader + step {what}, with {fix.name} changed ({fix.change})",
+                target,
+                indices,
+                settings=changed,
+                budget=budget,
+            )
         ceiling = report.phases["ceiling"].step_s or 0.0
         batch_s = self.batch_size / max(phase.samples_per_s, 1e-9)
         return Applied(
@@ -410,7 +501,9 @@ class _Diagnosis:
             phase=phase,
         )
 
-    def _temporary_cache(self) -> ShardedDataset:
+    def _temporary_cache(
+        self, *, max_bytes: int | None = None, policy: str = "lru"
+    ) -> ShardedDataset:
         """The dataset over an empty temporary cache beside the user's (the same disk), with
         the same listing: nothing the user's cache holds is touched."""
         import copy
@@ -422,7 +515,11 @@ class _Diagnosis:
             where = Path(tempfile.mkdtemp(prefix="fastload-doctor-"))
         self.work_dirs.append(where)
         config = dataclasses.replace(
-            self.dataset.store.config, cache_dir=str(where), max_bytes=None, refresh=False
+            self.dataset.store.config,
+            cache_dir=str(where),
+            max_bytes=max_bytes,
+            policy=policy,  # type: ignore[arg-type]  # one of POLICIES: the store's own, or a fix's
+            refresh=False,
         )
         clone = copy.copy(self.dataset)
         clone.store = CachedStore(config, manifest=self.dataset.store.manifest)
@@ -610,6 +707,10 @@ def _warm_command(
         f"fastload warm {dataset.store.url} --format {dataset.format} --rank {ranks} "
         f"--world-size {world_size} --epochs 0{plan} --cache-dir {dataset.store.cache.dir}"
     )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _plain(value: Any) -> Any:

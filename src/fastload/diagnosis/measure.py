@@ -19,6 +19,7 @@ so a queue filled while the first batches were made does not flatter the loader.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -123,6 +124,7 @@ def run_loader(
     ``keep_first``, the first batch."""
     timeline = Timeline([], [], [], [], [])
     first: Any = None
+    busy_before, cpu_before = machine_busy_s(), time.process_time()
     start = time.perf_counter()
     ready = start  # when the consumer asked for the next batch
     iterator: Iterator[Any] = iter(loader)
@@ -153,6 +155,7 @@ def run_loader(
     finally:
         loader.close()  # its threads, and the decoder's
     phase = _phase(name, what, timeline, stats)
+    phase.others_cores = others_cores(busy_before, cpu_before, time.perf_counter() - start)
     progress.done(name, f"{phase.samples_per_s:,.0f} samples/s over {phase.batches} batches")
     return phase, first
 
@@ -180,7 +183,34 @@ def _phase(name: str, what: str, timeline: Timeline, stats: dict[str, Any]) -> P
         cpu_cores=round(cores, 3),
         stage_s=stage_s,
         bytes_fetched=int(stats.get("counts", {}).get("bytes_fetched", 0)),
+        hit_rate=_hit_rate(stats.get("counts", {})),
     )
+
+
+def machine_busy_s() -> float | None:
+    """The machine's busy CPU seconds so far, all cores (``/proc/stat``); None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def others_cores(busy_before: float | None, cpu_before: float, seconds: float) -> float | None:
+    """The cores other processes kept busy since ``busy_before``: the machine's busy time
+    less this process's, over the wall time (a loaded machine gives the loader less)."""
+    busy = machine_busy_s()
+    if busy is None or busy_before is None or seconds <= 0:
+        return None
+    ours = time.process_time() - cpu_before
+    return round(max(0.0, (busy - busy_before - ours) / seconds), 3)
+
+
+def _hit_rate(counts: dict[str, Any]) -> float | None:
+    hits, misses = int(counts.get("cache_hits", 0)), int(counts.get("cache_misses", 0))
+    return round(hits / (hits + misses), 4) if hits + misses else None
 
 
 def run_step_alone(

@@ -20,13 +20,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+from fastload.diagnosis.cache_advice import CacheAdvice, hit_rate
 from fastload.diagnosis.report import Fix, Phase, Verdict
 
 # At or above this utilization the step is the bottleneck: nothing to fix on the data side.
 SATURATED = 0.95
 # A fix must predict at least this gain to be listed.
 MIN_GAIN = 1.02
+# The first epoch is fetch-bound when it runs below this share of the warm rate. Well below
+# 1: a cold phase that overlaps its fetches runs a few percent under the warm one by noise
+# alone, and a line near 1 named fetch in one run and decode in the next.
+FETCH_BOUND = 0.8
+# Run-to-run spread of a phase's rate on a shared machine (the log of the ratio of two
+# runs' rates, one standard deviation): how sure a verdict drawn across a line can be.
+RATE_NOISE = 0.1
 
 
 @dataclass
@@ -43,10 +52,13 @@ class Measured:
     train: Phase
     cold: Phase | None = None
     h2d: Phase | None = None
+    budget: Phase | None = None  # an epoch after the first with the cache's budget
+    first: Phase | None = None  # a first epoch into the budgeted cache (without a cold one)
     cached_fraction: float = 1.0  # of the measured samples' objects, in the cache already
     dataset_samples: int = 0  # this rank's share of an epoch
     share_bytes: int = 0  # this node's share of the dataset
     cache_budget: int | None = None  # the cache's byte budget (None: no limit)
+    budget_policy: str = "lru"  # the cache's eviction policy
     lookahead_bytes: int = 0
     bytes_per_sample: float = 0.0
     gpus: int = 1  # GPUs the job pays for (its world size)
@@ -75,6 +87,12 @@ class Model:
         self.cpu_per_sample = busy / rate  # c
         self.cores_per_thread = busy / min(max(m.workers, 1), m.cores)
         self.measured_s = self.B / max(m.train.samples_per_s, 1e-9)
+        # Cores other processes kept busy while the loader ran: a loaded machine's cores
+        # are not all the loader's (on 2 cores with others' work running, the thread fix
+        # predicted +42% more than it delivered when it counted them all).
+        seen = [p.others_cores for p in (m.prep, m.train) if p.others_cores is not None]
+        self.others = sum(seen) / len(seen) if seen else 0.0
+        self.busy_now = m.train.cpu_cores
         # What the model misses in the train phase, fitted to it: a stall per batch on each
         # loader thread (it waits for the GIL a step holds: more threads hide it, as long
         # as cores are left), or, where the cores bind, a factor on the cores' term.
@@ -98,7 +116,11 @@ class Model:
 
     def cores_s(self, s: Settings) -> float:
         """Seconds per batch the cores need for the loader's and the step's CPU work."""
-        return (self.work_s + self.step_alone * self.step_cores) / s.cores * self.fit
+        return (self.work_s + self.step_alone * self.step_cores) / self.usable(s.cores) * self.fit
+
+    def usable(self, cores: float) -> float:
+        """Of ``cores``, those left by other processes (at least what the job used)."""
+        return max(cores - self.others, min(cores, self.busy_now), 1e-3)
 
     def data_s(self, s: Settings) -> float:
         """The loader's seconds per batch with the step beside it."""
@@ -134,16 +156,31 @@ def current_s(m: Measured, model: Model, basis: Phase) -> float:
     return max(measured, model.batch_s(Settings(m.workers, m.cores_per_rank)))
 
 
+def fetch_bound(m: Measured, basis: Phase) -> bool:
+    """Whether the first epoch (the cold basis) waits for the remote."""
+    return (
+        basis.name == "cold"
+        and m.cold is not None
+        and m.cold.samples_per_s < FETCH_BOUND * m.train.samples_per_s
+    )
+
+
 def bottleneck(m: Measured, model: Model, basis: Phase) -> str:
     """The stage the step waits on at ``basis`` (see report.BOTTLENECKS)."""
     if model.utilization(current_s(m, model, basis)) >= SATURATED:
         return "none"
-    if (
-        basis.name == "cold"
-        and m.cold is not None
-        and (m.cold.samples_per_s < 0.9 * m.train.samples_per_s)
-    ):
+    if fetch_bound(m, basis):
         return "fetch"
+    budget = m.budget if basis.name == "budget" else None
+    if budget is not None and budget.samples_per_s < FETCH_BOUND * m.train.samples_per_s:
+        return "fetch"
+    return warm_bottleneck(m, model)
+
+
+def warm_bottleneck(m: Measured, model: Model) -> str:
+    """What binds once the cache holds the data (the train phase)."""
+    if model.utilization(model.measured_s) >= SATURATED:
+        return "none"
     if m.h2d is not None and m.h2d.step_s and m.h2d.step_s >= model.measured_s * 0.5:
         return "h2d"
     if (
@@ -158,11 +195,33 @@ def bottleneck(m: Measured, model: Model, basis: Phase) -> str:
     return max(stages, key=lambda k: stages[k])
 
 
+def confidence(m: Measured, model: Model, basis: Phase, neck: str) -> float:
+    """The share of repeated runs expected to name ``neck`` again: how many noise widths
+    (RATE_NOISE) the deciding ratio sits from its line, through the normal distribution."""
+    ratios: list[float] = []
+    util = model.utilization(current_s(m, model, basis))
+    ratios.append(util / SATURATED)
+    if neck != "none":
+        line = max(FETCH_BOUND * m.train.samples_per_s, 1e-9)
+        if basis.name == "cold" and m.cold is not None:
+            ratios.append(m.cold.samples_per_s / line)
+        if basis.name == "budget" and m.budget is not None:
+            ratios.append(m.budget.samples_per_s / line)
+        gil_close = m.workers > 0 and model.step >= 0.9 * model.measured_s
+        if neck != "fetch" and gil_close and model.step_alone > 0:
+            ratios.append(model.step / (1.1 * model.step_alone))
+    margin = min(abs(math.log(max(r, 1e-9))) for r in ratios)
+    return round(0.5 * (1 + math.erf(margin / RATE_NOISE / math.sqrt(2))), 3)
+
+
 def basis_phase(m: Measured) -> Phase:
     """The phase that stands for the job as it would run now: cold while the cache does not
-    hold the data (and the cold phase ran), else the warm train phase."""
+    hold the data (and the cold phase ran), an epoch after the first where the cache's
+    budget is below the share, else the warm train phase."""
     if m.cold is not None and m.cold.skipped is None and m.cached_fraction < 0.95:
         return m.cold
+    if m.budget is not None and m.budget.skipped is None:
+        return m.budget
     return m.train
 
 
@@ -174,15 +233,13 @@ def fixes(
     usd_per_gpu_hour: float | None,
     warm_command: str,
     dali_rate: float | None = None,
+    advice: CacheAdvice | None = None,
 ) -> list[Fix]:
     """The fixes worth making, best predicted gain first."""
     now_s = current_s(m, model, basis)
-    cold = basis.name == "cold"
-    fetch_bound = (
-        cold and m.cold is not None and (m.cold.samples_per_s < 0.9 * m.train.samples_per_s)
-    )
+    fetching = fetch_bound(m, basis)
     # While fetching binds, no fix of the loader beats the rate the remote delivered.
-    fetch_floor = now_s if fetch_bound else 0.0
+    fetch_floor = now_s if fetching else 0.0
     found: list[Fix] = []
 
     def add(
@@ -211,7 +268,7 @@ def fixes(
             )
         )
 
-    if fetch_bound and m.cold is not None:
+    if fetching and m.cold is not None:
         add(
             "warm",
             {},
@@ -232,24 +289,8 @@ def fixes(
                 max(model.measured_s, stage_s),
                 floor=False,
             )
-    if m.cache_budget is not None and m.share_bytes > m.cache_budget and m.cold is not None:
-        hit = m.cache_budget / m.share_bytes
-        cold_s = model.B / max(m.cold.samples_per_s, 1e-9)
-        # Each epoch reads the share the budget holds warm and fetches the rest.
-        epochs_s = hit * model.measured_s + (1 - hit) * cold_s
-        f = _fix(
-            "max_bytes",
-            {"max_bytes": m.share_bytes},
-            f"the cache budget ({_size(m.cache_budget)}) holds {hit:.0%} of this node's "
-            f"share ({_size(m.share_bytes)}): every epoch fetches the rest again",
-            model.measured_s,
-            epochs_s,
-            model,
-            m,
-            usd_per_gpu_hour,
-            applicable=False,
-        )
-        found.append(f)
+    if m.budget is not None and advice is not None:  # every epoch after the first
+        _cache_fixes(m, model, advice, add)
     threads = max(m.workers + 1, math.ceil(m.cores_per_rank))
     if m.workers < m.cores_per_rank or m.workers == 0:
         add(
@@ -303,7 +344,7 @@ def fixes(
         )
     found = [f for f in found if f.gain >= MIN_GAIN]
     found.sort(key=lambda f: (-f.gain, not f.applicable))
-    if fetch_bound:  # then what binds once the cache is warm, and its fixes
+    if fetching or basis.name == "budget":  # then what binds once warm, and its fixes
         listed = {f.name for f in found}
         for f in fixes(m, model, m.train, usd_per_gpu_hour=usd_per_gpu_hour, warm_command=""):
             if f.name in listed:
@@ -312,6 +353,48 @@ def fixes(
             f.gain = round(now_s / (model.B / f.predicted_samples_per_s), 4)
             found.append(f)
     return found
+
+
+def _cache_fixes(m: Measured, model: Model, advice: CacheAdvice, add: Any) -> None:
+    """A budget of the share where the disk has room (the warm rate), and a policy that
+    keeps what the budget holds (its hit rate's share of an all-miss epoch's fetching)."""
+    assert m.budget is not None
+    assert m.cache_budget is not None
+    now_s = model.B / max(m.budget.samples_per_s, 1e-9)
+    warm_s = model.measured_s
+    hit_now = m.budget.hit_rate if m.budget.hit_rate is not None else 0.0
+    # Misses are fetched ahead, overlapped: an epoch that misses a share of its objects
+    # waits for that share of an all-miss epoch's fetching, or decodes at the warm rate.
+    # The all-miss rate is a first epoch's (measured cold); without one, what the budget
+    # epoch now took for the share it missed.
+    cold = m.cold if m.cold is not None else m.first
+    if cold is not None and cold.samples_per_s > 0:
+        miss_s = model.B / cold.samples_per_s
+    else:
+        miss_s = now_s / max(1.0 - hit_now, 0.05)
+    share = m.share_bytes
+    if advice.max_bytes >= share:
+        add(
+            "max_bytes",
+            {"max_bytes": share},
+            f"the cache budget ({_size(m.cache_budget)}) holds {m.cache_budget / share:.0%} "
+            f"of this node's share ({_size(share)}) and the disk has room for all of it: "
+            "every epoch after the first then reads from the cache",
+            warm_s,
+            floor=False,  # the epochs after the first: the first epoch's fetching is past
+        )
+    for policy in ("pin", "plan"):
+        if policy == m.budget_policy or (policy == "plan") != (advice.policy == "plan"):
+            continue
+        hit = hit_rate(policy, m.cache_budget, share)
+        add(
+            "policy",
+            {"policy": policy},
+            f"policy {m.budget_policy!r} read {hit_now:.0%} of the last epoch from the cache; "
+            f"{policy!r} keeps what the budget holds: {hit:.0%} of each epoch",
+            max(warm_s, (1 - hit) * miss_s),
+            floor=False,
+        )
 
 
 def _size(nbytes: int) -> str:
@@ -372,11 +455,10 @@ def verdict(
             if epochs_per_day is not None
             else (1 - util) * usd_per_gpu_hour * m.gpus * 24
         )
-    where = (
-        "reading into an empty cache (a first epoch)"
-        if basis.name == "cold"
-        else ("reading from a warm cache")
-    )
+    where = {
+        "cold": "reading into an empty cache (a first epoch)",
+        "budget": "in the epochs after the first, with the cache's budget below the share",
+    }.get(basis.name, "reading from a warm cache")
     waits = {
         "none": "the step never waits: the GPU is the bottleneck",
         "fetch": "the step waits for the remote: the cache does not hold the data yet",
@@ -386,6 +468,10 @@ def verdict(
         "gil": "the loader's threads take the GIL and cores from a step that holds the GIL",
         "h2d": "the step waits for the host to device copy",
     }[neck]
+    once_warm = warm_bottleneck(m, model) if basis.name in ("cold", "budget") else None
+    summary = f"{waits}, {where}"
+    if once_warm is not None and once_warm != neck:
+        summary += f" ({neck} now, {once_warm} once warm)"
     return Verdict(
         utilization=round(util, 4),
         samples_per_s=round(rate, 3),
@@ -395,5 +481,7 @@ def verdict(
         lost_usd_per_epoch=None if lost is None else round(lost, 6),
         lost_usd_per_day=None if per_day is None else round(per_day, 4),
         basis=basis.name,
-        summary=f"{waits}, {where}",
+        summary=summary,
+        confidence=confidence(m, model, basis, neck),
+        once_warm=once_warm,
     )

@@ -231,6 +231,7 @@ def _verdict_lines(report: Report) -> list[str]:
     head = f"bottleneck: {report.bottleneck}"  # the summary says what it means
     lines = _wrap(f"{head} — {verdict.summary}" if verdict.summary else head)
     figures = [
+        f"confidence {_percent(verdict.confidence)}",
         f"utilization {_percent(verdict.utilization)}",
         f"{_rate(verdict.samples_per_s)} samples/s ({verdict.basis})",
         f"epoch {_duration(verdict.epoch_s)}",
@@ -278,25 +279,38 @@ def _fix_lines(report: Report) -> list[str]:
 
 
 def _applied_line(report: Report) -> list[str]:
-    applied = report.applied
-    if applied is None:
+    lines: list[str] = []
+    for applied in report.applied_fixes or ([report.applied] if report.applied else []):
+        label = ", ".join(f"{k}={v}" for k, v in applied.change.items()) or applied.fix
+        rates = (
+            f"applied {label}: predicted {_rate(applied.predicted_samples_per_s)} samples/s,"
+            f" measured {_rate(applied.measured_samples_per_s)} ({applied.error * 100:+.1f}%)"
+        )
+        utilization = (
+            f"utilization predicted {_percent(applied.predicted_utilization)},"
+            f" measured {_percent(applied.measured_utilization)}"
+        )
+        lines += _pack([rates, utilization], "; ")
+    return lines
+
+
+def _cache_lines(report: Report) -> list[str]:
+    advice = report.cache
+    if not advice or (advice["hit_rate"] >= 1.0 and report.phases.get("budget") is None):
         return []
-    label = ", ".join(f"{k}={v}" for k, v in applied.change.items()) or applied.fix
-    rates = (
-        f"applied {label}: predicted {_rate(applied.predicted_samples_per_s)} samples/s,"
-        f" measured {_rate(applied.measured_samples_per_s)} ({applied.error * 100:+.1f}%)"
+    cost = "" if advice.get("usd_per_epoch") is None else f", {_usd(advice['usd_per_epoch'])}"
+    head = (
+        f"cache: max_bytes={advice['max_bytes']:,} policy={advice['policy']}: hit rate "
+        f"{_percent(advice['hit_rate'])}, {advice['remote_bytes_per_epoch']:,} bytes from "
+        f"the remote an epoch{cost}"
     )
-    utilization = (
-        f"utilization predicted {_percent(applied.predicted_utilization)},"
-        f" measured {_percent(applied.measured_utilization)}"
-    )
-    return _pack([rates, utilization], "; ")
+    return _wrap(f"{head} — {advice['why']}")
 
 
 def table(report: Report) -> str:
     """The short terminal report: what ran, the phases, the verdict, the fixes, the notes."""
     lines = _headline(report) + _phase_table(report) + _verdict_lines(report)
-    lines += _fix_lines(report) + _applied_line(report)
+    lines += _fix_lines(report) + _applied_line(report) + _cache_lines(report)
     if report.chart:
         lines.append(f"chart: {report.chart}")
     if report.budget_s > 0:

@@ -9,7 +9,9 @@ Schema (``SCHEMA_VERSION``; fields are added, never renamed or removed, within a
 - ``verdict``: utilization, samples/s, time and cost per epoch, the cost lost to waiting.
 - ``phases``: each measured phase (``ceiling``, ``prep``, ``train``, ``cold``, ``h2d``).
 - ``fixes``: settings ranked by predicted gain, each with its predicted figures.
-- ``applied``: with ``--apply``, the top applicable fix re-measured: predicted vs measured.
+- ``applied``: with ``--apply``, the top applicable fix re-measured: predicted vs measured;
+  ``applied_fixes``: every applicable fix re-measured, the top one first.
+- ``cache``: the cache's budget and policy for this node's disk and share (``cache_advice``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Phase:
     # transfer, stage (fetching ahead).
     stage_s: dict[str, float] = field(default_factory=dict)
     bytes_fetched: int = 0
+    hit_rate: float | None = None  # of the objects the loader read, the share cached already
+    others_cores: float | None = None  # cores other processes kept busy meanwhile
     skipped: str | None = None  # why the phase did not run
 
 
@@ -84,6 +88,11 @@ class Verdict:
     lost_usd_per_day: float | None  # at epochs_per_day, when given
     basis: str  # which phase the figures come from (train: warm cache; cold: first epoch)
     summary: str  # one sentence
+    # How far the deciding measurement is from the line between two verdicts, as the share
+    # of repeated runs expected to name the same bottleneck (0.5: a coin toss, 1: certain).
+    confidence: float = 1.0
+    # What binds once the cache holds the data ("fetch now, decode once warm").
+    once_warm: str | None = None
 
 
 @dataclass
@@ -101,6 +110,8 @@ class Report:
     verdict: Verdict
     fixes: list[Fix]
     applied: Applied | None = None
+    applied_fixes: list[Applied] = field(default_factory=list)
+    cache: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     budget_s: float = 0.0  # the diagnosis's own wall time
     chart: str | None = None  # path of the PNG, when written

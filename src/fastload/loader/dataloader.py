@@ -39,6 +39,7 @@ from fastload.datasets.base import ShardedDataset
 from fastload.decode import choose_backend, make_decoder
 from fastload.decode.base import Decoder
 from fastload.errors import DatasetMismatchError
+from fastload.loader import autotune as tuning
 from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.device_decode import dali_options, decodes_into_slots
@@ -92,7 +93,8 @@ class DataLoader(tud.DataLoader[Any]):
     torchrun's environment); ``shard`` (None: shard fastload datasets by the plan, leave
     others as torch would); cache settings used when ``dataset`` is a URL; prefetch depth
     (``prefetch_batches``), staging look-ahead (``lookahead_bytes``), ring depth
-    (``ring_slots``).
+    (``ring_slots``); ``autotune`` (True, or a dict of bounds: the loader tunes those three
+    as it runs, see ``fastload.loader.autotune``).
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class DataLoader(tud.DataLoader[Any]):
         thread_nice: int = DEFAULT_THREAD_NICE,
         state_steps: int = DEFAULT_STATE_STEPS,
         on_preempt: str | os.PathLike[str] | None = None,
+        autotune: bool | Mapping[str, Any] = False,
     ) -> None:
         cache_settings: dict[str, Any] = {
             "cache_dir": cache_dir,
@@ -257,6 +260,9 @@ class DataLoader(tud.DataLoader[Any]):
         self._last_start: _PassStart | None = None  # the latest pass's
         self._last_over = False  # whether the latest pass ran to its end
         self._manifest_snapshot: dict[str, str] | None = None
+        if autotune and not self._fast:
+            raise ValueError("autotune tunes fastload's own threads: give it a fastload dataset")
+        self._autotune = tuning.make(autotune, self)
         self._preemption: PreemptionHandler | None = None
         if on_preempt is not None:
             self._preemption = PreemptionHandler(on_preempt, _state_of(weakref.ref(self)))
@@ -362,11 +368,10 @@ class DataLoader(tud.DataLoader[Any]):
         ahead = self.lookahead_bytes // per_batch  # batches staged ahead; 0: none
         round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
         prefetch = self._prefetch_depth()
-        store = builder.dataset.store
-        if store.config.fetch.hold_bytes is None:  # hold what the staging window holds
-            window = (max(ahead, prefetch) + round_batches) * per_batch
-            store.holding.resize(memory_share(max(window, _MIN_HOLD_BYTES), 1 / 8))
+        self._size_holding(ahead, prefetch)
         staging = workers > 0 and ahead > 0
+        if self._autotune is not None:
+            self._autotune.new_pass()
         pipeline = Pipeline(
             items,
             load,
@@ -399,6 +404,16 @@ class DataLoader(tud.DataLoader[Any]):
             return pending.get("sampler")
         state_dict = getattr(self.sampler, "state_dict", None)
         return state_dict() if callable(state_dict) else None
+
+    def _size_holding(self, ahead: int, prefetch: int) -> None:
+        """Holds what the staging window holds (unless the user sized it)."""
+        assert isinstance(self.dataset, ShardedDataset)  # the fast path's datasets
+        store = self.dataset.store
+        if store.config.fetch.hold_bytes is None:
+            per_batch = max(1, self._bytes_per_sample() * (self.batch_size or 1))
+            round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
+            window = (max(ahead, prefetch) + round_batches) * per_batch
+            store.holding.resize(memory_share(max(window, _MIN_HOLD_BYTES), 1 / 8))
 
     def _bytes_per_sample(self) -> int:
         assert isinstance(self.dataset, ShardedDataset)  # the fast path's datasets
@@ -513,6 +528,8 @@ class DataLoader(tud.DataLoader[Any]):
         that a checkpoint of the model at step k saves the loader at k, whatever the
         loader has prefetched or delivered since."""
         state = self._position(step)
+        if self._autotune is not None:
+            state["autotune"] = self._autotune.state_dict()
         if isinstance(self.dataset, ShardedDataset):
             state["fingerprint"] = self.dataset.fingerprint
             state["objects"] = len(self.dataset.store.manifest)
@@ -641,6 +658,8 @@ class DataLoader(tud.DataLoader[Any]):
                 "epoch again"
             )
         self._drop_iterations()
+        if self._autotune is not None and "autotune" in state:  # a resumed job starts tuned
+            tuning.resume(self._autotune, self, state["autotune"])
         epoch = int(state.get("epoch", 0))
         self.step = int(state.get("step", 0))
         self._recent.clear()
@@ -691,6 +710,8 @@ class DataLoader(tud.DataLoader[Any]):
         snapshot["path"] = "fastload" if self._fast else "torch"
         snapshot["epoch"] = self._epoch
         snapshot["num_workers"] = self.num_workers
+        if self._autotune is not None:
+            snapshot["autotune"] = self._autotune.report()
         snapshot["device"] = None if self.device is None else str(self.device)
         snapshot["decode"] = self.decode
         snapshot["resources"] = resources().as_dict()  # the CPUs and memory the defaults read
@@ -807,6 +828,8 @@ class _Iteration:
         done = time.perf_counter()
         self._stats.add("wait", done - now)
         self._returned_at = done
+        if self._loader._autotune is not None:
+            tuning.follow(self._loader._autotune, self._loader, self._source, now, done)
         return batch
 
     def _finish(self) -> None:

@@ -16,6 +16,7 @@ the stage.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -107,12 +108,35 @@ class Pipeline:
         self._closed = False
         self._nice = nice
         self._threads: list[threading.Thread] = []
+        self._worker_threads: dict[int, threading.Thread] = {}
         if workers > 0:
             self._start(self._dispatch, "fastload-dispatch")
-            for i in range(workers):
-                self._start(self._work, f"fastload-worker-{i}")
+            self._start_workers()
 
-    def _start(self, target: Callable[[], None], name: str) -> None:
+    def _start_workers(self) -> None:
+        for i in range(self._workers):
+            thread = self._worker_threads.get(i)
+            if thread is None or not thread.is_alive():
+                self._worker_threads[i] = self._start(
+                    functools.partial(self._work, i), f"fastload-worker-{i}"
+                )
+
+    def retune(self, *, workers: int, prefetch: int, lookahead: int) -> None:
+        """Changes the threads, the batches loaded ahead and those staged ahead while the
+        pass runs (an autotuner's move): a worker beyond ``workers`` stops after the batch
+        in hand. The batches and their order are the same whatever these are."""
+        if self._workers == 0 or workers < 1:
+            raise ValueError("a pass with loader threads keeps at least one")
+        with self._cv:
+            if self._closed:
+                return
+            self._workers = workers
+            self._prefetch = max(1, prefetch)
+            self._lookahead = max(self._prefetch, lookahead)
+            self._cv.notify_all()
+            self._start_workers()
+
+    def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
         def run() -> None:
             lower_priority(self._nice)
             target()
@@ -120,6 +144,7 @@ class Pipeline:
         thread = threading.Thread(target=run, name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
+        return thread
 
     # --- threads -----------------------------------------------------------------------------
 
@@ -171,14 +196,14 @@ class Pipeline:
                 if self._exhausted:
                     return
 
-    def _work(self) -> None:
+    def _work(self, index: int) -> None:
         while True:
             with self._cv:
                 while not self._closed and not (self._todo and self._ready(self._todo[0][0])):
-                    if self._exhausted and not self._todo:
+                    if (self._exhausted and not self._todo) or index >= self._workers:
                         return
                     self._cv.wait(_POLL_S)
-                if self._closed:
+                if self._closed or index >= self._workers:
                     return
                 seq, indices = self._todo.popleft()
             result: Any

@@ -1,0 +1,302 @@
+"""``fl.DataLoader(..., autotune=True)``: the loader tunes its threads, prefetch depth and
+look-ahead while the job runs, from the times it already measures.
+
+Each window of batches (at least ``window_batches`` and ``window_s`` of the training loop's
+time) gives a rate: batches over the loop's wall time (the step's time plus the wait for
+the next batch). From the settings it was given, the tuner tries one move at a time — a
+thread more, twice the prefetch depth, twice the look-ahead — and keeps it only where the
+next window's rate beats the last kept one by ``gain`` (hysteresis: noise does not keep a
+move). A move that does not pay is undone and never tried again, so the settings only
+climb, each knob stops once, and the tuner never oscillates; it stops when every move is
+spent or when the step no longer waits (the loader keeps pace). Moves stay within the
+bounds: threads at most the cores (or ``max_workers``), and the bytes in flight (batches
+prefetched or in a thread's hands, and those staged ahead) within ``max_memory_bytes``.
+
+Only the schedule moves: batches, their order and their augmentations depend on the seed,
+the epoch and the sample, never on the threads, so a tuned job's batches are bitwise those
+of an untuned one. The settings chosen, and the log of each move with its measured effect,
+are in ``loader.stats()["autotune"]``; ``state_dict()`` carries them, so a resumed job
+starts where the tuning ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+log = logging.getLogger("fastload.autotune")
+
+MOVES = ("num_workers", "prefetch_batches", "lookahead_bytes")
+# Of the loop's time, below this share spent waiting the loader keeps pace: nothing to tune.
+KEEPS_PACE = 0.02
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the tuner may use, and how it measures."""
+
+    max_workers: int  # loader threads (default: the cores this process may run on)
+    max_prefetch: int = 32
+    max_lookahead_bytes: int = 4 << 30
+    max_memory_bytes: int | None = None  # batches in flight and bytes staged ahead
+    window_batches: int = 8  # batches per measured window, at least
+    window_s: float = 0.5  # seconds of the loop per window, at least
+    gain: float = 1.05  # a move is kept where the rate improves by this factor
+    keeps_pace: float = KEEPS_PACE  # below this share of the loop waiting, tuning stops
+
+    @classmethod
+    def from_setting(cls, setting: bool | Mapping[str, Any]) -> Bounds:
+        given = dict(setting) if isinstance(setting, Mapping) else {}
+        unknown = set(given) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"autotune takes True or a dict of {sorted(cls.__dataclass_fields__)}; "
+                f"got {sorted(unknown)}"
+            )
+        given.setdefault("max_workers", _cores())
+        bounds = cls(**given)
+        if bounds.max_workers < 1 or bounds.max_prefetch < 1 or bounds.window_batches < 1:
+            raise ValueError("autotune's max_workers, max_prefetch and window_batches are >= 1")
+        if bounds.gain < 1:
+            raise ValueError(f"autotune's gain must be >= 1, got {bounds.gain}")
+        return bounds
+
+
+@dataclass(frozen=True)
+class Knobs:
+    num_workers: int
+    prefetch_batches: int
+    lookahead_bytes: int
+
+
+@dataclass
+class _Window:
+    batches: int = 0
+    seconds: float = 0.0
+    waited: float = 0.0
+
+
+@dataclass
+class Autotuner:
+    """The tuning of one loader, across its passes."""
+
+    bounds: Bounds
+    knobs: Knobs
+    batch_bytes: int
+    batch_size: int
+    spent: set[str] = field(default_factory=set)  # moves that did not pay
+    converged: bool = False
+    trial: tuple[str, Knobs] | None = None  # (move, the knobs before it) while measured
+    base_rate: float | None = None  # batches/s with the kept knobs
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    _window: _Window = field(default_factory=_Window)
+    _settle: int = 0  # batches to skip after a move (the queue refills)
+    _last: float | None = None
+    _batches: int = 0
+
+    # --- measuring ---------------------------------------------------------------------------
+
+    def new_pass(self) -> None:
+        """A pass starts: its first batches (threads starting, queue filling) are not timed."""
+        self._last = None
+        self._window = _Window()
+        self._settle = self.knobs.prefetch_batches
+
+    def observe(self, asked: float, delivered: float) -> Knobs | None:
+        """A batch was asked for at ``asked`` and handed over at ``delivered``
+        (perf_counter). Returns the knobs to run with where they change."""
+        self._batches += 1
+        last, self._last = self._last, delivered
+        if self.converged or last is None:
+            return None
+        if self._settle > 0:
+            self._settle -= 1
+            return None
+        w = self._window
+        w.batches += 1
+        w.seconds += delivered - last
+        w.waited += delivered - asked
+        if w.batches < self.bounds.window_batches or w.seconds < self.bounds.window_s:
+            return None
+        self._window = _Window()
+        return self._decide(w.batches / max(w.seconds, 1e-9), w.waited / max(w.seconds, 1e-9))
+
+    # --- deciding ----------------------------------------------------------------------------
+
+    def _decide(self, rate: float, waiting: float) -> Knobs | None:
+        if self.trial is not None:
+            move, before = self.trial
+            self.trial = None
+            assert self.base_rate is not None
+            kept = rate >= self.base_rate * self.bounds.gain
+            self._record(move, before, self.knobs, self.base_rate, rate, kept)
+            if kept:
+                self.base_rate = rate
+            else:
+                self.spent.add(move)
+                self._apply(before)
+                return self.knobs
+        else:
+            self.base_rate = rate
+        if waiting < self.bounds.keeps_pace:
+            self._converge("the step no longer waits for the loader")
+            return None
+        for move in MOVES:
+            if move in self.spent:
+                continue
+            nxt = self._moved(move)
+            if nxt is None:
+                self.spent.add(move)
+                continue
+            self.trial = (move, self.knobs)
+            self._apply(nxt)
+            return self.knobs
+        self._converge("every move is spent")
+        return None
+
+    def _moved(self, move: str) -> Knobs | None:
+        """The knobs with ``move`` made, or None where the bounds forbid it."""
+        k, b = self.knobs, self.bounds
+        if move == "num_workers":
+            nxt = replace(k, num_workers=k.num_workers + 1)
+            ok = nxt.num_workers <= b.max_workers
+        elif move == "prefetch_batches":
+            nxt = replace(k, prefetch_batches=min(2 * k.prefetch_batches, b.max_prefetch))
+            ok = nxt.prefetch_batches > k.prefetch_batches
+        else:
+            if k.lookahead_bytes <= 0:  # staging ahead is off: not this tuner's to turn on
+                return None
+            nxt = replace(k, lookahead_bytes=min(2 * k.lookahead_bytes, b.max_lookahead_bytes))
+            ok = nxt.lookahead_bytes > k.lookahead_bytes
+        return nxt if ok and self._fits(nxt) else None
+
+    def _fits(self, k: Knobs) -> bool:
+        if self.bounds.max_memory_bytes is None:
+            return True
+        in_flight = (k.prefetch_batches + k.num_workers) * self.batch_bytes + k.lookahead_bytes
+        return in_flight <= self.bounds.max_memory_bytes
+
+    def _apply(self, knobs: Knobs) -> None:
+        self.knobs = knobs
+        self._settle = knobs.prefetch_batches + knobs.num_workers
+
+    def _converge(self, why: str) -> None:
+        self.converged = True
+        log.info("fastload autotune: settled on %s (%s)", _label(self.knobs), why)
+
+    def _record(
+        self, move: str, before: Knobs, after: Knobs, was: float, now: float, kept: bool
+    ) -> None:
+        entry = {
+            "batch": self._batches,
+            "time": round(time.time(), 3),
+            "setting": move,
+            "from": getattr(before, move),
+            "to": getattr(after, move),
+            "samples_per_s_before": round(was * self.batch_size, 1),
+            "samples_per_s_after": round(now * self.batch_size, 1),
+            "kept": kept,
+        }
+        self.changes.append(entry)
+        log.info(
+            "fastload autotune: %s %s -> %s: %.0f -> %.0f samples/s (%+.0f%%), %s",
+            move,
+            entry["from"],
+            entry["to"],
+            entry["samples_per_s_before"],
+            entry["samples_per_s_after"],
+            (now / max(was, 1e-9) - 1) * 100,
+            "kept" if kept else "undone",
+        )
+
+    # --- reporting and state -----------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        return {
+            **asdict(self.knobs),
+            "converged": self.converged,
+            "trying": None if self.trial is None else self.trial[0],
+            "bounds": asdict(self.bounds),
+            "changes": list(self.changes),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The kept settings (a move under trial is not kept yet) and what is spent."""
+        knobs = self.knobs if self.trial is None else self.trial[1]
+        return {
+            **asdict(knobs),
+            "spent": sorted(self.spent),
+            "converged": self.converged,
+            "changes": list(self.changes),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.knobs = Knobs(
+            num_workers=min(int(state["num_workers"]), self.bounds.max_workers),
+            prefetch_batches=min(int(state["prefetch_batches"]), self.bounds.max_prefetch),
+            lookahead_bytes=int(state["lookahead_bytes"]),
+        )
+        self.spent = set(state.get("spent", ()))
+        self.converged = bool(state.get("converged", False))
+        self.changes = list(state.get("changes", ()))
+        self.trial, self.base_rate = None, None
+
+
+def _label(k: Knobs) -> str:
+    return ", ".join(f"{name}={value}" for name, value in asdict(k).items())
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def make(setting: bool | Mapping[str, Any], loader: Any) -> Autotuner | None:
+    """The tuner for ``fl.DataLoader(autotune=setting)``, None where off. Starts from the
+    loader's settings (at least one thread: a pass without threads cannot be retuned)."""
+    if setting is False or setting is None:
+        return None
+    bounds = Bounds.from_setting(setting)
+    loader.num_workers = min(max(1, loader.num_workers), bounds.max_workers)
+    per_sample = max(1, loader._bytes_per_sample())
+    knobs = Knobs(
+        num_workers=loader.num_workers,
+        prefetch_batches=min(loader._prefetch_depth(), bounds.max_prefetch),
+        lookahead_bytes=int(loader.lookahead_bytes),
+    )
+    batch = loader.batch_size or 1
+    return Autotuner(bounds, knobs, batch_bytes=per_sample * batch, batch_size=batch)
+
+
+def resume(tuner: Autotuner, loader: Any, state: Mapping[str, Any]) -> None:
+    """``load_state_dict``: the tuner and the loader take the saved settings."""
+    tuner.load_state_dict(state)
+    loader.num_workers = tuner.knobs.num_workers
+    loader.prefetch_batches = tuner.knobs.prefetch_batches
+    loader.lookahead_bytes = tuner.knobs.lookahead_bytes
+
+
+def follow(tuner: Autotuner, loader: Any, source: Any, asked: float, delivered: float) -> None:
+    """The hook the loader's iteration calls per batch: measures, and where the knobs move,
+    retunes the running pass and the loader (its next pass starts from them)."""
+    knobs = tuner.observe(asked, delivered)
+    if knobs is None:
+        return
+    loader.num_workers = knobs.num_workers
+    loader.prefetch_batches = knobs.prefetch_batches
+    loader.lookahead_bytes = knobs.lookahead_bytes
+    retune = getattr(source, "retune", None)
+    if callable(retune):
+        per_batch = max(1, tuner.batch_bytes)
+        # Memory for the objects staged ahead grows with the look-ahead.
+        loader._size_holding(knobs.lookahead_bytes // per_batch, loader._prefetch_depth())
+        retune(
+            workers=knobs.num_workers,
+            prefetch=loader._prefetch_depth(),
+            lookahead=knobs.lookahead_bytes // per_batch,
+        )

@@ -1,0 +1,205 @@
+"""``fl.DataLoader(autotune=...)``: the tuner's decisions on rates it is fed (climbs only,
+never retries an undone move, stays in its bounds), and a real loader retuned while its
+pass runs: the batches bitwise those of an untuned loader, the threads really changed,
+the settings carried by the state dict. How fast anything ran is not asserted (the
+figures are in benchmarks/benchmark_autotune.py)."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import fastload as fl
+from fastload.decode import TrainPreset
+from fastload.loader.autotune import Autotuner, Bounds, Knobs
+
+IMAGES = 96
+BATCH = 4
+# Every window one batch, no time floor, any rate kept: a move every few batches.
+RESTLESS = {
+    "window_batches": 1,
+    "window_s": 0.0,
+    "gain": 1.0,
+    "keeps_pace": 0.0,
+    "max_workers": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("autotune") / "folder"
+    rng = np.random.default_rng(0)
+    for i in range(IMAGES):
+        pixels = rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "JPEG", quality=90)
+        path = root / f"class_{i % 3}" / f"{i:03d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(buf.getvalue())
+    return root
+
+
+def _loader(folder: Path, cache: Path, **kwargs: object) -> fl.DataLoader:
+    return fl.DataLoader(
+        str(folder),
+        batch_size=BATCH,
+        shuffle=True,
+        seed=3,
+        decode="cpu",
+        transform=TrainPreset(32),
+        cache_dir=str(cache),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _epoch(loader: fl.DataLoader, pause_s: float = 0.0) -> tuple[list[torch.Tensor], set[str]]:
+    """The pass's batches (copies), and the loader's worker threads seen while it ran."""
+    batches, seen = [], set()
+    for images, labels in loader:
+        batches += [images.clone(), labels.clone()]
+        seen |= {t.name for t in threading.enumerate() if t.name.startswith("fastload-worker")}
+        time.sleep(pause_s)
+    return batches, seen
+
+
+def test_batches_are_bitwise_those_of_an_untuned_loader_while_threads_change(
+    folder: Path, tmp_path: Path
+) -> None:
+    with _loader(folder, tmp_path / "a", num_workers=1) as plain:
+        expected = [_epoch(plain)[0] for _ in range(2)]
+    with _loader(
+        folder, tmp_path / "b", num_workers=1, prefetch_batches=1, autotune=RESTLESS
+    ) as tuned:
+        got, seen = [], []
+        for _ in range(2):
+            batches, threads = _epoch(tuned, pause_s=0.002)
+            got.append(batches)
+            seen.append(threads)
+        report = tuned.stats()["autotune"]
+    assert report["changes"], "the tuner made no move: the test would prove nothing"
+    # The first pass, started with one thread, was retuned while it ran.
+    assert "fastload-worker-1" in seen[0]
+    for epoch_expected, epoch_got in zip(expected, got, strict=True):
+        assert len(epoch_expected) == len(epoch_got)
+        for a, b in zip(epoch_expected, epoch_got, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_the_state_dict_carries_the_tuned_settings(folder: Path, tmp_path: Path) -> None:
+    with _loader(folder, tmp_path / "c", num_workers=1, prefetch_batches=1, autotune=RESTLESS) as a:
+        for i, _ in enumerate(a):
+            if i == 15:
+                break
+        state = a.state_dict()
+        tuned = a.stats()["autotune"]
+    assert state["autotune"]["changes"]
+    kept = state["autotune"]
+    resume = {"max_workers": RESTLESS["max_workers"]}  # the same bounds as the saved job's
+    with _loader(folder, tmp_path / "c", num_workers=1, prefetch_batches=1, autotune=resume) as b:
+        b.load_state_dict(state)
+        resumed = b.stats()
+        assert resumed["num_workers"] == kept["num_workers"]
+        assert resumed["autotune"]["prefetch_batches"] == kept["prefetch_batches"]
+        assert resumed["autotune"]["changes"] == kept["changes"]
+        assert b.prefetch_batches == kept["prefetch_batches"]
+    assert tuned["num_workers"] >= kept["num_workers"]  # a move under trial is not kept
+
+
+def test_autotune_needs_a_fastload_dataset_and_known_bounds(folder: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="fastload dataset"):
+        fl.DataLoader(list(range(8)), batch_size=2, autotune=True)
+    with pytest.raises(ValueError, match="max_threads"):
+        _loader(folder, tmp_path / "d", autotune={"max_threads": 2})
+
+
+# --- the tuner on rates it is fed ------------------------------------------------------------
+
+
+def _drive(
+    tuner: Autotuner, rate: object, windows: int, noise: float = 0.0, seed: int = 0
+) -> list[Knobs]:
+    """Feeds ``windows`` windows of batches at ``rate(knobs)`` batches/s (times the noise),
+    with the step waiting a tenth of each period; returns the knobs after each window."""
+    rng = np.random.default_rng(seed)
+    tuner.new_pass()
+    now, seen = 0.0, []
+    for _ in range(windows * (tuner.bounds.window_batches + 40)):
+        period = 1 / (rate(tuner.knobs) * (1 + noise * rng.uniform(-1, 1)))  # type: ignore[operator]
+        asked = now + 0.9 * period
+        now += period
+        tuner.observe(asked, now)
+        if not seen or seen[-1] != tuner.knobs:
+            seen.append(tuner.knobs)
+        if tuner.converged:
+            break
+    return seen
+
+
+def _tuner(**bounds: object) -> Autotuner:
+    settings = {"max_workers": 8, "window_batches": 4, "window_s": 0.0, **bounds}
+    return Autotuner(
+        Bounds(**settings),  # type: ignore[arg-type]
+        Knobs(num_workers=1, prefetch_batches=1, lookahead_bytes=1 << 20),
+        batch_bytes=1 << 16,
+        batch_size=16,
+    )
+
+
+def test_the_tuner_climbs_to_the_knee_and_stops_without_oscillating() -> None:
+    def rate(k: Knobs) -> float:  # more threads pay up to 3, nothing else does
+        return 10.0 * min(k.num_workers, 3)
+
+    tuner = _tuner()
+    seen = _drive(tuner, rate, windows=200, noise=0.03)
+    assert tuner.converged
+    assert tuner.knobs.num_workers == 3
+    tried = [(c["setting"], c["to"]) for c in tuner.changes]
+    assert len(tried) == len(set(tried)), f"a move was tried twice: {tried}"
+    undone = [c["setting"] for c in tuner.changes if not c["kept"]]
+    assert sorted(undone) == sorted(set(undone))  # each knob stops once
+    # Never back to a setting it left for good: the workers only climb, then one undo.
+    workers = [k.num_workers for k in seen]
+    assert max(workers) <= 4
+    assert workers.count(4) == 1
+
+
+def test_a_step_that_more_threads_slow_keeps_one_thread() -> None:
+    def rate(k: Knobs) -> float:  # a step holding the GIL: each thread more costs it
+        return 10.0 / (1 + 0.2 * (k.num_workers - 1))
+
+    tuner = _tuner()
+    _drive(tuner, rate, windows=100, noise=0.03)
+    assert tuner.converged
+    assert tuner.knobs.num_workers == 1
+    assert tuner.spent >= {"num_workers"}
+
+
+def test_the_bounds_hold() -> None:
+    def rate(k: Knobs) -> float:  # everything pays, without end
+        return float(k.num_workers * k.prefetch_batches * k.lookahead_bytes)
+
+    tuner = _tuner(max_workers=2, max_memory_bytes=(8 + 2) * (1 << 16) + (1 << 20))
+    _drive(tuner, rate, windows=100)
+    assert tuner.converged
+    assert tuner.knobs.num_workers == 2
+    k = tuner.knobs
+    in_flight = (k.prefetch_batches + k.num_workers) * (1 << 16) + k.lookahead_bytes
+    assert in_flight <= tuner.bounds.max_memory_bytes  # type: ignore[operator]
+
+
+def test_a_loader_that_keeps_pace_is_left_alone() -> None:
+    tuner = _tuner()
+    tuner.new_pass()
+    now = 0.0
+    for _ in range(50):
+        now += 0.1
+        tuner.observe(now - 1e-5, now)  # the step never waits
+    assert tuner.converged
+    assert tuner.changes == []
