@@ -23,6 +23,7 @@ from fastload.remote import integrity_error, open_filesystem, public_url, refuse
 from fastload.staging import FetchConfig, Holding, Stager, StageResult
 from fastload.staging.planner import Range
 from fastload.staging.range_pool import range_pool
+from fastload.staging.stager import start_staging_process
 
 # Bytes held in memory for objects the cache turns away, unless FetchConfig.hold_bytes or a
 # loader (its look-ahead) says otherwise.
@@ -84,10 +85,20 @@ class CachedStore:
     def manifest(self) -> Manifest:
         if self._manifest is None:
             c = self.config
+            self._start_staging_process()
             self._manifest = load_manifest(
                 c.url, self.cache.dir, c.storage_options, refresh=c.refresh, ttl_s=c.ttl_s
             )
         return self._manifest
+
+    def _start_staging_process(self) -> None:
+        """Starts the staging process (where one stages) before the listing, which then
+        hides its start-up. A URL that cannot be opened is left to the listing to report."""
+        try:
+            fs, root = open_filesystem(self.config.url, self.config.storage_options)
+        except Exception:
+            return
+        start_staging_process(fs, root, self.cache, self.config.fetch)
 
     def _open(self) -> None:
         if self._pid == os.getpid():

@@ -4,9 +4,11 @@ Beside a training step that holds the GIL, staging threads in the same process w
 the interpreter's switch interval (5 ms) at every hand-off: 24 small objects/s where 2,000
 are possible. A staging process has a GIL of its own. The training process hands it a
 round (the objects to stage) over a pipe and blocks reading the answer, which releases its
-GIL; a round costs one message each way, whatever its number of objects. Opt-in
-(``FetchConfig(staging_process=True)``): the process starts at the first round, a fresh
-interpreter's second or two, which a cold epoch's first batch would wait for.
+GIL; a round costs one message each way, whatever its number of objects. The default for
+remote datasets (``FetchConfig.staging_process``; ``False`` stages in this process): a
+store starts it as it lists the dataset (:meth:`StagingProcess.start`), so the listing
+hides the fresh interpreter's second or two, and a batch waiting for its own objects
+stages them here (``Stager.stage(here=True)``), never behind the process's start-up.
 
 The process is a fresh interpreter (``python -m fastload.staging.process_main``), so nothing
 of the parent's state, obstore's runtime included, is inherited. It is told the filesystem
@@ -42,6 +44,7 @@ from fastload.remote import scrub
 from fastload.staging.lifetime import env_for_child
 
 _HEADER = struct.Struct("!Q")
+_IDLE_EXIT_S = 0.5  # a staging process between rounds is killed if it takes longer to exit
 
 
 def send(stream: IO[bytes], message: Any) -> None:
@@ -94,6 +97,13 @@ class StagingProcess:
         self._settings = (fs, root, cache, fetch)
         self._lock = threading.Lock()  # one round at a time
         self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Starts the process now if it is not running (a round otherwise starts it): it
+        imports and opens the cache while this process does something else."""
+        with self._lock:
+            if self._process is None:
+                self._process = self._start()
 
     def _start(self) -> subprocess.Popen[bytes]:
         # The child imports this very fastload, however the parent found it.
@@ -182,7 +192,12 @@ class StagingProcess:
         Without the round lock: a round may be waiting on the remote for a long time."""
         process, self._process = self._process, None
         if process is not None:
-            _discard(process, wait_s)
+            # Between rounds (or still starting: started ahead, it may never have had one)
+            # it has nothing to finish, so an exit does not wait out its start-up.
+            idle = self._lock.acquire(blocking=False)
+            if idle:
+                self._lock.release()
+            _discard(process, min(wait_s, _IDLE_EXIT_S) if idle else wait_s)
 
 
 def _discard(process: subprocess.Popen[bytes], wait_s: float = 10.0) -> None:

@@ -110,7 +110,10 @@ class Stager:
         if not objects:
             return []
         tracker = Progress(callback=progress)
-        if not here and self._elsewhere():
+        # By default (staging_process None) not where a loader holds what the cache turns
+        # away: the process would fetch those only to drop them, and this one again.
+        chosen = self.config.staging_process is not None or hold is None
+        if not here and chosen and self._elsewhere():
             results = self._stage_in_staging_process(objects, tracker)
             if hold is not None:
                 self._hold_skipped(objects, results, hold, reads)
@@ -140,21 +143,19 @@ class Stager:
             results[i] = result
 
     def _elsewhere(self) -> bool:
-        """Whether to stage in a staging process: for remote objects, from a process that
-        was not forked (a DataLoader worker stages in its own threads), and not for the
-        ``plan`` policy's cache, whose eviction needs the access order this process holds."""
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        return (
-            self.config.staging_process
-            and protocol not in ("file", "local")
-            and self.cache.plan is None
-            and not _forked
-        )
+        """Whether to stage in a staging process: unless the config says this process, for
+        remote objects, from a process that was not forked (a DataLoader worker stages in
+        its own threads), and not for the ``plan`` policy's cache, whose eviction needs the
+        access order this process holds."""
+        return stages_elsewhere(self.fs, self.cache, self.config)
+
+    def _staging_process(self) -> staging_process.StagingProcess:
+        return staging_process.for_stager(self.fs, self.root, self.cache.config, self.config)
 
     def _stage_in_staging_process(
         self, objects: Sequence[RemoteObject], tracker: Progress
     ) -> list[StageResult]:
-        process = staging_process.for_stager(self.fs, self.root, self.cache.config, self.config)
+        process = self._staging_process()
 
         def progress(objects_done: int, bytes_done: int, fetched_bytes: int) -> None:
             tracker.objects_done, tracker.bytes_done = objects_done, bytes_done
@@ -260,6 +261,28 @@ class Stager:
             return bytes(with_retries(get, url, retries=c.retries, base_s=c.backoff_s))
         except RemoteChangedError as exc:
             raise _with_pin(exc, url, pin) from None
+
+
+def stages_elsewhere(fs: fsspec.AbstractFileSystem, cache: Cache, config: FetchConfig) -> bool:
+    """Whether a stager of fs, cache and config stages in a staging process (see
+    :meth:`Stager._elsewhere`)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return (
+        not config.stages_in_process()
+        and protocol not in ("file", "local")
+        and cache.plan is None
+        and not _forked
+    )
+
+
+def start_staging_process(
+    fs: fsspec.AbstractFileSystem, root: str, cache: Cache, config: FetchConfig
+) -> None:
+    """Starts the staging process of a stager of these settings now, where its rounds will
+    go to one, so its start-up (a fresh interpreter: a second or more) overlaps what comes
+    before the first round (the listing, opening the dataset) instead of delaying it."""
+    if stages_elsewhere(fs, cache, config):
+        staging_process.for_stager(fs, root, cache.config, config).start()
 
 
 def _with_pin(error: RemoteError, url: str, pin: Pin) -> RemoteError:

@@ -95,7 +95,9 @@ from fastload.manifest import load_manifest
 from fastload.staging import FetchConfig
 spec = json.loads(sys.argv[1])
 url, cache, options = spec["url"], spec["cache"], spec["storage_options"]
-fetch = FetchConfig(transport=spec["transport"], staging_process=spec["staging_process"])
+# staging_process None: no FetchConfig at all, exactly as a user who sets nothing.
+fetch = None if spec["staging_process"] is None else FetchConfig(
+    transport=spec["transport"], staging_process=spec["staging_process"])
 keys = None
 if not spec["list"]:
     fl.warm(url, cache_dir=cache, storage_options=options, dry_run=True, progress=False)
@@ -107,8 +109,18 @@ if not spec["list"]:
                 keys=listing[:1])
     keys = listing[first : spec["objects"] or len(listing)]
 spins = [0]
+busy_tid = [0]
 stop = threading.Event()
+def schedstat():
+    # The busy thread's time on a CPU and waiting for one (ns): the rest of the wall time
+    # it spent blocked, which for a thread that does nothing but Python is the GIL.
+    if not busy_tid[0]:
+        return 0, 0
+    with open(f"/proc/self/task/{busy_tid[0]}/schedstat") as f:
+        run, queued = f.read().split()[:2]
+    return int(run), int(queued)
 def busy():
+    busy_tid[0] = threading.get_native_id()
     n = 0
     while not stop.is_set():
         n += 1
@@ -120,14 +132,17 @@ if spec["busy"]:
     s0 = spins[0]; time.sleep(1.0); alone = (spins[0] - s0) / 1.0
 print("ready", flush=True)
 sys.stdin.readline()
-s0, t0 = spins[0], time.monotonic()
+s0, t0, sched0 = spins[0], time.monotonic(), schedstat()
 report = fl.warm(url, cache_dir=cache, storage_options=options, fetch=fetch, progress=False,
                  keys=keys)
 wall = time.monotonic() - t0
+sched1 = schedstat()
 busy_rate = (spins[0] - s0) / wall
 stop.set()
+blocked = wall - (sched1[0] - sched0[0] + sched1[1] - sched0[1]) / 1e9
 print(json.dumps({"fetched": report.fetched, "failed": report.failed, "wall": wall,
-                  "busy_lost": 1 - busy_rate / alone if alone else None}), flush=True)
+                  "busy_lost": 1 - busy_rate / alone if alone else None,
+                  "gil_blocked": max(0.0, blocked) if alone else None}), flush=True)
 sys.stdin.readline()
 """
 
