@@ -244,9 +244,10 @@ class BatchBuilder:
         ]
         by_range = self.ahead.by_range(missing, reads, shard_samples)
         missing = [key for key in missing if key not in by_range]
-        if missing:  # not staged ahead (yet): fetch this batch's objects together
-            wanted = {key: reads[key] for key in missing}
-            self.ahead.record(store.stage(missing, self.ahead.hold_reads(wanted, shard_samples)))
+        if missing:  # not staged ahead (yet): fetch this batch's objects together, here
+            wanted = {key: reads[key] for key in missing}  # (not behind a round staging ahead)
+            held_reads = self.ahead.hold_reads(wanted, shard_samples)
+            self.ahead.record(store.stage(missing, held_reads, here=True))
             for key in missing:
                 paths[key] = self._located(key)
                 if paths[key] is None:

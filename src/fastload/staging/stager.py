@@ -110,9 +110,11 @@ class Stager:
         if not objects:
             return []
         tracker = Progress(callback=progress)
-        # By default (staging_process None) not where a loader holds what the cache turns
-        # away: the process would fetch those only to drop them, and this one again.
-        chosen = self.config.staging_process is not None or hold is None
+        # By default (staging_process None) not where a loader holds what a pin budget
+        # turns away: the process would fetch those only to drop them, and this one again.
+        c = self.cache.config
+        turns_away = hold is not None and c.policy == "pin" and c.max_bytes is not None
+        chosen = self.config.staging_process is not None or not turns_away
         if not here and chosen and self._elsewhere():
             results = self._stage_in_staging_process(objects, tracker)
             if hold is not None:
