@@ -87,7 +87,8 @@ def test_a_default_warm_stages_in_a_process_started_at_the_listing(
 ) -> None:
     result = run_defaults(served, tmp_path / "cache", "warm")
     assert result["at_listing"] == 1  # started by the listing, before any round
-    assert result["fetched"] == len(served.files) and result["failed"] == 0
+    assert result["fetched"] == len(served.files)
+    assert result["failed"] == 0
     assert result["get_threads"] == 0  # not one object was fetched in the training process
     assert all(served.gets(key) == 1 for key in served.files)
 

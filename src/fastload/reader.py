@@ -174,7 +174,12 @@ class _Batch:
         batch.dests = [_byte_view(dest, 0)]
         n = len(lengths)
         table = np.zeros((n, 5), dtype=np.int64)
-        table[:, 0], table[:, 1], table[:, 2], table[:, 4] = file_ids, offsets, lengths, dest_offsets
+        table[:, 0], table[:, 1], table[:, 2], table[:, 4] = (
+            file_ids,
+            offsets,
+            lengths,
+            dest_offsets,
+        )
         if n:
             if table.min() < 0 or int(file_ids.max()) >= len(batch.files):
                 raise ValueError("file ids, offsets, lengths and destination offsets must be >= 0")
