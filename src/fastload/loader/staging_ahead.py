@@ -41,7 +41,8 @@ class StagingAhead:
         )
         if not reads:
             return
-        results = ds.store.stage(list(reads), self.hold_reads(reads, samples))
+        # soon: staged here while the staging process starts, so no batch waits for that.
+        results = ds.store.stage(list(reads), self.hold_reads(reads, samples), soon=True)
         for key, result in zip(reads, results, strict=True):
             if result.outcome != "held":  # a held one is staged again for its later reads
                 self._staged[key] = None

@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from fastload.remote import scrub
 from fastload.staging.lifetime import env_for_child
 
 _HEADER = struct.Struct("!Q")
+_MOST_STARTS = 3  # processes ready() starts at most (then rounds start them, or stage here)
 _IDLE_EXIT_S = 0.5  # a staging process between rounds is killed if it takes longer to exit
 
 
@@ -97,6 +99,30 @@ class StagingProcess:
         self._settings = (fs, root, cache, fetch)
         self._lock = threading.Lock()  # one round at a time
         self._process: subprocess.Popen[bytes] | None = None
+        self._ready = False  # whether the process said it is ready (its first message)
+        self._starts = 0  # by ready(), which a process that keeps dying must not loop on
+
+    def ready(self) -> bool:
+        """Whether the process is running and has started up (never waits: a process still
+        importing, or busy with a round, is not ready)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            process = self._process
+            if process is not None and process.poll() is not None:
+                _discard(process)  # ended (killed): start another, a bounded number of times
+                self._process = process = None
+            if process is None:
+                if self._starts < _MOST_STARTS:
+                    self._starts += 1
+                    self._process, self._ready = self._start(), False
+                return False
+            assert process.stdout is not None
+            if not self._ready and select.select([process.stdout], [], [], 0)[0]:
+                self._ready = receive(process.stdout) == ("ready",)
+            return self._ready
+        finally:
+            self._lock.release()
 
     def start(self) -> None:
         """Starts the process now if it is not running (a round otherwise starts it): it
@@ -104,6 +130,7 @@ class StagingProcess:
         with self._lock:
             if self._process is None:
                 self._process = self._start()
+                self._ready = False
 
     def _start(self) -> subprocess.Popen[bytes]:
         # The child imports this very fastload, however the parent found it.
@@ -139,6 +166,7 @@ class StagingProcess:
                     self._process = None
                 if self._process is None:
                     self._process = self._start()
+                    self._ready = False
                 process = self._process
                 try:
                     answer = self._round(process, objects, manifest_url, progress)
@@ -178,6 +206,8 @@ class StagingProcess:
             return None
         while (message := receive(process.stdout)) is not None:
             kind = message[0]
+            if kind == "ready":  # its start-up, if ready() did not read it
+                continue
             if kind == "progress" and progress is not None:
                 progress(*message[1:])
             elif kind == "done":

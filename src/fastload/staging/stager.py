@@ -95,6 +95,7 @@ class Stager:
         *,
         progress: Callable[[Progress], None] | None = None,
         here: bool = False,
+        soon: bool = False,
         hold: Holding | None = None,
         reads: Sequence[int] | None = None,
     ) -> list[StageResult]:
@@ -104,6 +105,8 @@ class Stager:
         raised; transient failures that outlast their retries are reported per object.
         ``here`` stages in this process even where a staging process would: for an object
         a reader is waiting for, which must not queue behind a round of staging ahead.
+        ``soon``: needed soon (a loader's look-ahead), so by default staged here while the
+        staging process is still starting up rather than wait for it.
         With ``hold``, what the cache turns away is fetched all the same and held there
         for ``reads[i]`` reads (1 each by default; 0: not held): outcome "held".
         """
@@ -114,7 +117,10 @@ class Stager:
         # turns away: the process would fetch those only to drop them, and this one again.
         c = self.cache.config
         turns_away = hold is not None and c.policy == "pin" and c.max_bytes is not None
-        chosen = self.config.staging_process is not None or not turns_away
+        # With ``soon``, nor while it starts up: these threads stage meanwhile.
+        chosen = self.config.staging_process is not None or (
+            not turns_away and (not soon or (self._elsewhere() and self._staging_process().ready()))
+        )
         if not here and chosen and self._elsewhere():
             results = self._stage_in_staging_process(objects, tracker)
             if hold is not None:
