@@ -7,8 +7,10 @@ round (the objects to stage) over a pipe and blocks reading the answer, which re
 GIL; a round costs one message each way, whatever its number of objects. The default for
 remote datasets (``FetchConfig.staging_process``; ``False`` stages in this process): a
 store starts it as it lists the dataset (:meth:`StagingProcess.start`), so the listing
-hides the fresh interpreter's second or two, and a batch waiting for its own objects
-stages them here (``Stager.stage(here=True)``), never behind the process's start-up.
+hides the fresh interpreter's second or two; its first message says it is ready
+(:meth:`StagingProcess.ready`), and until then a loader's look-ahead stages in this
+process's threads (``Stager.stage(soon=True)``), as a batch waiting for its own objects
+always does (``here=True``): no batch waits for the start-up.
 
 The process is a fresh interpreter (``python -m fastload.staging.process_main``), so nothing
 of the parent's state, obstore's runtime included, is inherited. It is told the filesystem
