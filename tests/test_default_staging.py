@@ -19,8 +19,9 @@ from fastload.staging.lifetime import env_for_child
 
 _SCRIPT = textwrap.dedent(
     """
-    import json, os, sys, threading
+    import json, os, sys, threading, time
     import fastload as fl
+    from fastload.staging.process import for_stager
     from fastload.store import CachedStore
 
     url, cache, options, what = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
@@ -39,10 +40,15 @@ _SCRIPT = textwrap.dedent(
                 found.append(int(pid))
         return found
 
-    if what == "warm":
+    if what.startswith("warm"):
         store = CachedStore.open(url, cache_dir=cache, storage_options=options)
         store.manifest  # the listing
         at_listing = staging_processes()
+        if what == "warm-when-ready":  # else the first chunks are staged here meanwhile
+            fetch = store.stager.config
+            process = for_stager(store.stager.fs, store.stager.root, store.cache.config, fetch)
+            while not process.ready():
+                time.sleep(0.05)
         report = fl.warm(url, cache_dir=cache, storage_options=options, progress=False)
         samples = None
     else:
@@ -85,11 +91,23 @@ def run_defaults(served: Remote, cache: Path, what: str) -> dict[str, object]:
 def test_a_default_warm_stages_in_a_process_started_at_the_listing(
     served: Remote, tmp_path: Path
 ) -> None:
-    result = run_defaults(served, tmp_path / "cache", "warm")
+    result = run_defaults(served, tmp_path / "cache", "warm-when-ready")
     assert result["at_listing"] == 1  # started by the listing, before any round
     assert result["fetched"] == len(served.files)
     assert result["failed"] == 0
     assert result["get_threads"] == 0  # not one object was fetched in the training process
+    assert all(served.gets(key) == 1 for key in served.files)
+
+
+def test_a_default_warm_does_not_wait_for_the_process_to_start(
+    served: Remote, tmp_path: Path
+) -> None:
+    """Staged here while the process starts (a chunk at a time), there once it is ready:
+    each object once, whichever staged it."""
+    result = run_defaults(served, tmp_path / "cache", "warm")
+    assert result["at_listing"] == 1
+    assert result["fetched"] == len(served.files)
+    assert result["failed"] == 0
     assert all(served.gets(key) == 1 for key in served.files)
 
 

@@ -257,8 +257,8 @@ def test_processes_are_closed_at_exit_of_the_parent(tmp_path: Path) -> None:
 def test_a_process_started_ahead_says_when_it_is_ready_and_then_stages(
     served: Remote, tmp_path: Path
 ) -> None:
-    """Started at the listing, the process is ready once started up (a loader's look-ahead
-    stages here until then); a round then goes to it."""
+    """Started at the listing, the process is ready once started up (staging goes on here
+    until then); a round then goes to it."""
     before = set(staging_children())
     store = open_store(served, tmp_path / "cache")
     keys = store.object_keys()
@@ -270,6 +270,6 @@ def test_a_process_started_ahead_says_when_it_is_ready_and_then_stages(
     while not process.ready():
         assert time.monotonic() < deadline, "the staging process never said it was ready"
         time.sleep(0.05)
-    results = store.stager.stage(store.objects(keys), soon=True)
+    results = store.stager.stage(store.objects(keys))
     assert {r.outcome for r in results} == {"fetched"}
     assert set(staging_children()) - before == {child}  # the same process did the round

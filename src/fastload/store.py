@@ -179,17 +179,15 @@ class CachedStore:
         reads: Sequence[int] | None = None,
         *,
         here: bool = False,
-        soon: bool = False,
     ) -> list[StageResult]:
         """Fetches keys into the cache now, concurrently, in this order of priority. With
         ``reads`` (how many reads of each key are coming), what the cache turns away is
         fetched too and held in memory for those reads (:meth:`held`). ``here``: in this
-        process, for objects a reader waits for; ``soon``: not waiting for a staging process
-        to start (see :meth:`Stager.stage`)."""
+        process, for objects a reader waits for (see :meth:`Stager.stage`)."""
         objects = self.objects(keys)
         if reads is None or self.holding.max_bytes == 0:
-            return self.stager.stage(objects, here=here, soon=soon)
-        return self.stager.stage(objects, here=here, soon=soon, hold=self.holding, reads=reads)
+            return self.stager.stage(objects, here=here)
+        return self.stager.stage(objects, here=here, hold=self.holding, reads=reads)
 
     @property
     def holds_turned_away(self) -> bool:

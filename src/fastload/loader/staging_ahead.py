@@ -41,8 +41,7 @@ class StagingAhead:
         )
         if not reads:
             return
-        # soon: staged here while the staging process starts, so no batch waits for that.
-        results = ds.store.stage(list(reads), self.hold_reads(reads, samples), soon=True)
+        results = ds.store.stage(list(reads), self.hold_reads(reads, samples))
         for key, result in zip(reads, results, strict=True):
             if result.outcome != "held":  # a held one is staged again for its later reads
                 self._staged[key] = None

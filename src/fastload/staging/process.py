@@ -8,9 +8,9 @@ GIL; a round costs one message each way, whatever its number of objects. The def
 remote datasets (``FetchConfig.staging_process``; ``False`` stages in this process): a
 store starts it as it lists the dataset (:meth:`StagingProcess.start`), so the listing
 hides the fresh interpreter's second or two; its first message says it is ready
-(:meth:`StagingProcess.ready`), and until then a loader's look-ahead stages in this
-process's threads (``Stager.stage(soon=True)``), as a batch waiting for its own objects
-always does (``here=True``): no batch waits for the start-up.
+(:meth:`StagingProcess.ready`), and until then staging goes on in this process's threads
+a chunk at a time (``Stager.stage``), as a batch waiting for its own objects always does
+(``here=True``): nothing waits for the start-up.
 
 The process is a fresh interpreter (``python -m fastload.staging.process_main``), so nothing
 of the parent's state, obstore's runtime included, is inherited. It is told the filesystem
