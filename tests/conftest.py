@@ -14,6 +14,7 @@ import pytest
 from proc_tree import parents
 
 from fastload.reader import BatchReader, native_available
+from fastload.staging.process import close_all
 from fastload.testing import RangeHTTPServer, RemoteControls, S3Server
 
 
@@ -184,6 +185,7 @@ def no_process_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     before = set(_children())
     yield
+    close_all()  # staging processes live as long as this interpreter, by design: a test's end
     deadline = time.monotonic() + _CHILD_EXIT_GRACE_S
     while True:
         left = {

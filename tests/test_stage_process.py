@@ -65,9 +65,9 @@ def open_store(remote: Remote, cache_dir: Path) -> CachedStore:
 
 
 def test_objects_are_staged_by_a_child_process_once_each(served: Remote, tmp_path: Path) -> None:
+    before = set(staging_children())
     store = open_store(served, tmp_path / "cache")
     keys = store.object_keys()
-    before = set(staging_children())
     results = store.stage(keys)
     assert {r.outcome for r in results} == {"fetched"}
     assert [r.url for r in results] == [store.object_url(k) for k in keys]
@@ -114,9 +114,9 @@ def _round_in_thread(store: CachedStore, keys: list[str]) -> tuple[Any, list[Any
 def test_a_staging_process_killed_mid_round_is_replaced_and_the_round_completes(
     served: Remote, tmp_path: Path
 ) -> None:
+    before = set(staging_children())
     store = open_store(served, tmp_path / "cache")
     keys = store.object_keys()
-    before = set(staging_children())
     store.stage(keys[:1])
     (child,) = set(staging_children()) - before
     assert served.server is not None
@@ -140,9 +140,9 @@ def test_a_staging_process_killed_mid_round_is_replaced_and_the_round_completes(
 def test_a_staging_process_that_keeps_dying_fails_the_round_clearly(
     served: Remote, tmp_path: Path
 ) -> None:
+    before = set(staging_children())
     store = open_store(served, tmp_path / "cache")
     keys = store.object_keys()
-    before = set(staging_children())
     assert served.server is not None
     served.server.set_behavior(latency_s=0.3)
     thread, outcome = _round_in_thread(store, keys)
@@ -155,7 +155,8 @@ def test_a_staging_process_that_keeps_dying_fails_the_round_clearly(
     (error,) = outcome
     assert isinstance(error, CacheError)
     assert "ended twice during one round" in str(error)
-    assert len(killed) == 2
+    # Two per round, and the one started at the listing where it died before the round.
+    assert 2 <= len(killed) <= 3
 
 
 def test_progress_reaches_the_callback_with_exact_totals(served: Remote, tmp_path: Path) -> None:
@@ -251,3 +252,24 @@ def test_processes_are_closed_at_exit_of_the_parent(tmp_path: Path) -> None:
         assert children
         stage_process.close_all()
         assert not [pid for pid in children if _alive(pid)]
+
+
+def test_a_process_started_ahead_says_when_it_is_ready_and_then_stages(
+    served: Remote, tmp_path: Path
+) -> None:
+    """Started at the listing, the process is ready once started up (staging goes on here
+    until then); a round then goes to it."""
+    before = set(staging_children())
+    store = open_store(served, tmp_path / "cache")
+    keys = store.object_keys()
+    (child,) = set(staging_children()) - before  # started by the listing
+    process = stage_process.for_stager(
+        store.stager.fs, store.stager.root, store.cache.config, store.config.fetch
+    )
+    deadline = time.monotonic() + 120
+    while not process.ready():
+        assert time.monotonic() < deadline, "the staging process never said it was ready"
+        time.sleep(0.05)
+    results = store.stager.stage(store.objects(keys))
+    assert {r.outcome for r in results} == {"fetched"}
+    assert set(staging_children()) - before == {child}  # the same process did the round

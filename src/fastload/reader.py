@@ -159,6 +159,40 @@ class _Batch:
             rows.append((f, offset, length, d, dest_offset))
         self.table = np.array(rows, dtype=np.int64).reshape(-1, 5)
 
+    @classmethod
+    def of_spans(
+        cls,
+        files: Sequence[str],
+        dest: Any,
+        file_ids: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+        dest_offsets: npt.NDArray[np.int64],
+    ) -> _Batch:
+        """Requests into one destination given as columns, checked in array passes."""
+        batch = cls.__new__(cls)
+        batch.files = list(files)
+        batch.dests = [_byte_view(dest, 0)]
+        n = len(lengths)
+        table = np.zeros((n, 5), dtype=np.int64)
+        table[:, 0], table[:, 1], table[:, 2], table[:, 4] = (
+            file_ids,
+            offsets,
+            lengths,
+            dest_offsets,
+        )
+        if n:
+            if table.min() < 0 or int(file_ids.max()) >= len(batch.files):
+                raise ValueError("file ids, offsets, lengths and destination offsets must be >= 0")
+            room = batch.dests[0].nbytes
+            end = int((table[:, 4] + table[:, 2]).max())
+            if end > room:
+                raise InvalidDestinationError(
+                    f"destination holds {room} bytes, too small for requests ending at {end}"
+                )
+        batch.table = table
+        return batch
+
     def raise_for(self, result: npt.NDArray[np.int64], *, exact: bool) -> None:
         failed = np.flatnonzero(result < 0)
         if failed.size:
@@ -342,6 +376,29 @@ class BatchReader:
         :class:`InvalidDestinationError` before anything is read.
         """
         batch = _Batch(requests)
+        impl = self._backend()
+        if self.backend == "native":
+            result = impl.read(batch.files, batch.dests, batch.table)
+        else:
+            result = impl.read(batch)
+        batch.raise_for(result, exact=exact)
+        return result  # type: ignore[no-any-return]
+
+    def read_spans(
+        self,
+        files: Sequence[str],
+        dest: Any,
+        file_ids: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+        dest_offsets: npt.NDArray[np.int64],
+        *,
+        exact: bool = False,
+    ) -> npt.NDArray[np.int64]:
+        """:meth:`read` of requests into one destination given as columns: request i reads
+        ``lengths[i]`` bytes at ``offsets[i]`` of ``files[file_ids[i]]`` into ``dest`` at
+        ``dest_offsets[i]``. No Python object per request (a batch loader's reads)."""
+        batch = _Batch.of_spans(files, dest, file_ids, offsets, lengths, dest_offsets)
         impl = self._backend()
         if self.backend == "native":
             result = impl.read(batch.files, batch.dests, batch.table)

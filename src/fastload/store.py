@@ -25,6 +25,7 @@ from fastload.resources import memory_share
 from fastload.staging import FetchConfig, Holding, Stager, StageResult
 from fastload.staging.planner import Range
 from fastload.staging.range_pool import range_pool
+from fastload.staging.stager import start_staging_process
 
 # Bytes held in memory for objects the cache turns away, unless FetchConfig.hold_bytes or a
 # loader (its look-ahead) says otherwise.
@@ -87,10 +88,20 @@ class CachedStore:
     def manifest(self) -> Manifest:
         if self._manifest is None:
             c = self.config
+            self._start_staging_process()
             self._manifest = load_manifest(
                 c.url, self.cache.dir, c.storage_options, refresh=c.refresh, ttl_s=c.ttl_s
             )
         return self._manifest
+
+    def _start_staging_process(self) -> None:
+        """Starts the staging process (where one stages) before the listing, which then
+        hides its start-up. A URL that cannot be opened is left to the listing to report."""
+        try:
+            fs, root = open_filesystem(self.config.url, self.config.storage_options)
+        except Exception:
+            return
+        start_staging_process(fs, root, self.cache, self.config.fetch)
 
     def _open(self) -> None:
         if self._pid == os.getpid():
@@ -167,14 +178,21 @@ class CachedStore:
         work on ``manifest``'s columns)."""
         return self.manifest.keys()
 
-    def stage(self, keys: Sequence[str], reads: Sequence[int] | None = None) -> list[StageResult]:
+    def stage(
+        self,
+        keys: Sequence[str],
+        reads: Sequence[int] | None = None,
+        *,
+        here: bool = False,
+    ) -> list[StageResult]:
         """Fetches keys into the cache now, concurrently, in this order of priority. With
         ``reads`` (how many reads of each key are coming), what the cache turns away is
-        fetched too and held in memory for those reads (:meth:`held`)."""
+        fetched too and held in memory for those reads (:meth:`held`). ``here``: in this
+        process, for objects a reader waits for (see :meth:`Stager.stage`)."""
         objects = self.objects(keys)
         if reads is None or self.holding.max_bytes == 0:
-            return self.stager.stage(objects)
-        return self.stager.stage(objects, hold=self.holding, reads=reads)
+            return self.stager.stage(objects, here=here)
+        return self.stager.stage(objects, here=here, hold=self.holding, reads=reads)
 
     @property
     def holds_turned_away(self) -> bool:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate
 
@@ -125,6 +126,7 @@ class BatchBuilder:
                 raise _noted(e, "read") from None
         if self.decoder is not None:
             start = time.perf_counter()
+            self.stats.count("gil_handoffs")  # the decoder's native call
             try:
                 batch = self._decode(indices, samples, epoch)
             except BaseException as e:
@@ -235,6 +237,7 @@ class BatchBuilder:
                 reads[key] = reads.get(key, 0) + 1
         # One index query for the batch (each query releases and retakes the GIL).
         located = store.local_paths(list(reads))
+        handoffs = 1  # calls of this batch's read that release the GIL and take it back
         paths: dict[str, Location | None] = dict(zip(reads, located, strict=True))
         self._note_needed(shards)
         if not self.holds and any(rs is None for rs in ranges):
@@ -245,9 +248,11 @@ class BatchBuilder:
         ]
         by_range = self.ahead.by_range(missing, reads, shard_samples)
         missing = [key for key in missing if key not in by_range]
-        if missing:  # not staged ahead (yet): fetch this batch's objects together
-            wanted = {key: reads[key] for key in missing}
-            self.ahead.record(store.stage(missing, self.ahead.hold_reads(wanted, shard_samples)))
+        if missing:  # not staged ahead (yet): fetch this batch's objects together, here
+            wanted = {key: reads[key] for key in missing}  # (not behind a round staging ahead)
+            held_reads = self.ahead.hold_reads(wanted, shard_samples)
+            self.ahead.record(store.stage(missing, held_reads, here=True))
+            handoffs += 1 + len(missing)  # the round, then a lookup each
             for key in missing:
                 paths[key] = self._located(key)
                 if paths[key] is None:
@@ -262,8 +267,10 @@ class BatchBuilder:
             for i, rs in enumerate(ranges)
         ]
         fetched = self._read_ranges(ranges, ranged) if any(ranged) else {}
+        handoffs += len(fetched)
         parts: list[list[memoryview] | None] = [None] * len(indices)
         if any(native):
+            handoffs += 1
             try:
                 parts = self._read_native(ranges, native, paths, context)
             except (OSError, FastloadError):
@@ -287,7 +294,9 @@ class BatchBuilder:
                 samples.append(ds.assemble(index, parts_i, copy=copy))
             else:
                 self.stats.count("cache_reads")
+                handoffs += 1
                 samples.append(ds[index])
+        self.stats.count("gil_handoffs", handoffs)
         return samples
 
     def _read_ranges(
@@ -315,30 +324,50 @@ class BatchBuilder:
         paths: dict[str, Location | None],
         context: _ReadContext,
     ) -> list[list[memoryview] | None]:
-        total = sum(n for rs, ok in zip(ranges, native, strict=True) if ok for _, _, n in rs or ())
-        buffer = context.buffer_of(total)
-        requests = []
-        where: list[list[tuple[int, int]] | None] = []
+        # The batch's reads as columns (one native call, no Python object per request).
+        files: dict[str, int] = {}
+        file_ids: list[int] = []
+        offsets: list[int] = []
+        lengths: list[int] = []
+        first: list[int] = []  # each sample's first request (-1: not read natively)
         checks = EntryChecks(enabled=self.dataset.store.cache.read_checks.enabled)
-        at = 0
+        at = 0  # where each read lands in the batch's buffer
         for rs, ok in zip(ranges, native, strict=True):
             if not ok or rs is None:
-                where.append(None)
+                first.append(-1)
                 continue
-            spans = []
+            first.append(len(lengths))
             for key, offset, length in rs:
                 found = paths[key]
                 assert found is not None  # native only where every object is located
-                requests.append((found.path, found.offset + offset, length, buffer, at))
+                file_ids.append(files.setdefault(found.path, len(files)))
+                offsets.append(found.offset + offset)
+                lengths.append(length)
                 checks.add(key, found, offset, length, at)
-                spans.append((at, length))
                 at += length
-            where.append(spans)
-        context.reader.read(requests, exact=True)
-        self.stats.count("bytes_read", at)
+        sizes = np.array(lengths, dtype=np.int64)
+        ends = np.cumsum(sizes)
+        total = int(ends[-1]) if len(ends) else 0
+        buffer = context.buffer_of(total)
+        starts = ends - sizes
+        context.reader.read_spans(
+            list(files),
+            buffer,
+            np.array(file_ids, dtype=np.int64),
+            np.array(offsets, dtype=np.int64),
+            sizes,
+            starts,
+            exact=True,
+        )
+        self.stats.count("bytes_read", total)
         self._check(checks, paths, buffer)
         view = memoryview(buffer)
-        return [None if spans is None else [view[a : a + n] for a, n in spans] for spans in where]
+        at, to = starts.tolist(), ends.tolist()
+        parts: list[list[memoryview] | None] = []
+        for rs, i in zip(ranges, first, strict=True):
+            count = len(rs or ())
+            parts.append(None if i < 0 else [view[at[j] : to[j]] for j in range(i, i + count)])
+        return parts
 
     def _check(self, checks: EntryChecks, paths: dict[str, Location | None], buffer: Any) -> None:
         """Raises CacheCorruptError (the batch is then read through the cache, which fetches

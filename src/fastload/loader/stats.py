@@ -81,6 +81,11 @@ class LoaderStats:
             "step_s_mean": round(step / counts["step"], 6) if counts.get("step") else None,
             "wait_s_mean": round(wait / counts["wait"], 6) if counts.get("wait") else None,
             "cpu_cores": round(cpu / elapsed, 3) if elapsed > 0 else 0.0,
+            # Calls per batch that release the GIL and wait to take it back: beside a step
+            # that holds it, each may wait out a switch interval (5 ms).
+            "gil_handoffs_per_batch": (
+                round(counts.get("gil_handoffs", 0) / batches, 3) if batches else None
+            ),
             "stages": stages,
             "counts": {k: v for k, v in sorted(counts.items()) if k not in stages},
             "skipped_samples": counts.get("skipped_samples", 0),

@@ -27,9 +27,16 @@ class FetchConfig:
     # fsspec filesystem elsewhere; "fsspec": always the filesystem (see fastload.remote.connect).
     transport: Literal["auto", "fsspec"] = "auto"
     # Stage remote objects in a process of its own (fastload.staging.process), so staging
-    # never waits for, nor takes, the GIL of a training step. Opt-in for now: its start-up
-    # (a fresh interpreter) lands on the first batch of a cold epoch.
-    staging_process: bool = False
+    # never waits for, nor takes, the GIL of a training step. None (the default): there,
+    # for a remote dataset, started as the dataset is listed; until it has started,
+    # staging goes on in this process a chunk at a time (as a batch's own misses always
+    # do), so nothing waits for its start-up; not where a pin budget turns objects away
+    # (they would be fetched twice). Chosen by measurement (benchmarks/benchmark_small_objects.py:
+    # 2,000 objects of 512 B beside a GIL-holding thread, 2-core machine; issue #32): in
+    # this process the thread lost 2.0 ms of GIL per object on a quiet machine (32 s);
+    # with the process 0.004-0.007 ms once started (0.05 in this process on the same,
+    # loaded, machine). True: always there, waiting for its start-up; False: always here.
+    staging_process: bool | None = None
     # Objects the cache turns away (a full ``pin`` cache) that a loader will read soon are
     # fetched ahead anyway and held in memory until read, in at most this many bytes
     # (0: not held, read from the remote when needed). None: a loader's look-ahead.
@@ -46,6 +53,11 @@ class FetchConfig:
             raise ValueError(f"hold_bytes must be >= 0 or None, got {self.hold_bytes}")
         if self.transport not in ("auto", "fsspec"):
             raise ValueError(f'transport must be "auto" or "fsspec", got {self.transport!r}')
+
+    def stages_in_process(self) -> bool:
+        """Whether remote objects are staged in this process's threads (see
+        ``staging_process``)."""
+        return self.staging_process is False
 
     def in_process(self) -> FetchConfig:
         return dataclasses.replace(self, staging_process=False)

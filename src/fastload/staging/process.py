@@ -4,9 +4,13 @@ Beside a training step that holds the GIL, staging threads in the same process w
 the interpreter's switch interval (5 ms) at every hand-off: 24 small objects/s where 2,000
 are possible. A staging process has a GIL of its own. The training process hands it a
 round (the objects to stage) over a pipe and blocks reading the answer, which releases its
-GIL; a round costs one message each way, whatever its number of objects. Opt-in
-(``FetchConfig(staging_process=True)``): the process starts at the first round, a fresh
-interpreter's second or two, which a cold epoch's first batch would wait for.
+GIL; a round costs one message each way, whatever its number of objects. The default for
+remote datasets (``FetchConfig.staging_process``; ``False`` stages in this process): a
+store starts it as it lists the dataset (:meth:`StagingProcess.start`), so the listing
+hides the fresh interpreter's second or two; its first message says it is ready
+(:meth:`StagingProcess.ready`), and until then staging goes on in this process's threads
+a chunk at a time (``Stager.stage``), as a batch waiting for its own objects always does
+(``here=True``): nothing waits for the start-up.
 
 The process is a fresh interpreter (``python -m fastload.staging.process_main``), so nothing
 of the parent's state, obstore's runtime included, is inherited. It is told the filesystem
@@ -26,6 +30,7 @@ import atexit
 import contextlib
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
@@ -42,6 +47,8 @@ from fastload.remote import scrub
 from fastload.staging.lifetime import env_for_child
 
 _HEADER = struct.Struct("!Q")
+_MOST_STARTS = 3  # processes ready() starts at most (then rounds start them, or stage here)
+_IDLE_EXIT_S = 0.5  # a staging process between rounds is killed if it takes longer to exit
 
 
 def send(stream: IO[bytes], message: Any) -> None:
@@ -94,6 +101,38 @@ class StagingProcess:
         self._settings = (fs, root, cache, fetch)
         self._lock = threading.Lock()  # one round at a time
         self._process: subprocess.Popen[bytes] | None = None
+        self._ready = False  # whether the process said it is ready (its first message)
+        self._starts = 0  # by ready(), which a process that keeps dying must not loop on
+
+    def ready(self) -> bool:
+        """Whether the process is running and has started up (never waits: a process still
+        importing, or busy with a round, is not ready)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            process = self._process
+            if process is not None and process.poll() is not None:
+                _discard(process)  # ended (killed): start another, a bounded number of times
+                self._process = process = None
+            if process is None:
+                if self._starts < _MOST_STARTS:
+                    self._starts += 1
+                    self._process, self._ready = self._start(), False
+                return False
+            assert process.stdout is not None
+            if not self._ready and select.select([process.stdout], [], [], 0)[0]:
+                self._ready = receive(process.stdout) == ("ready",)
+            return self._ready
+        finally:
+            self._lock.release()
+
+    def start(self) -> None:
+        """Starts the process now if it is not running (a round otherwise starts it): it
+        imports and opens the cache while this process does something else."""
+        with self._lock:
+            if self._process is None:
+                self._process = self._start()
+                self._ready = False
 
     def _start(self) -> subprocess.Popen[bytes]:
         # The child imports this very fastload, however the parent found it.
@@ -129,6 +168,7 @@ class StagingProcess:
                     self._process = None
                 if self._process is None:
                     self._process = self._start()
+                    self._ready = False
                 process = self._process
                 try:
                     answer = self._round(process, objects, manifest_url, progress)
@@ -168,6 +208,8 @@ class StagingProcess:
             return None
         while (message := receive(process.stdout)) is not None:
             kind = message[0]
+            if kind == "ready":  # its start-up, if ready() did not read it
+                continue
             if kind == "progress" and progress is not None:
                 progress(*message[1:])
             elif kind == "done":
@@ -182,7 +224,12 @@ class StagingProcess:
         Without the round lock: a round may be waiting on the remote for a long time."""
         process, self._process = self._process, None
         if process is not None:
-            _discard(process, wait_s)
+            # Between rounds (or still starting: started ahead, it may never have had one)
+            # it has nothing to finish, so an exit does not wait out its start-up.
+            idle = self._lock.acquire(blocking=False)
+            if idle:
+                self._lock.release()
+            _discard(process, min(wait_s, _IDLE_EXIT_S) if idle else wait_s)
 
 
 def _discard(process: subprocess.Popen[bytes], wait_s: float = 10.0) -> None:

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         fsync=c.fsync,
     )
     in_process: FetchConfig = fetch.in_process()
+    send(stdout, ("ready",))  # started ahead, the parent stages in its threads until this
     while (request := receive(stdin)) is not None:
         _, manifest_url, objects, wants_progress = request
         manifest = Manifest(url=manifest_url, objects=(), listed_at=0.0)

@@ -52,6 +52,9 @@ from fastload.staging.holding import Holding
 from fastload.staging.rounds import Round
 from fastload.staging.throttle import throttle_for
 
+# Objects staged here per chunk while a staging process starts up (then it is asked again).
+_CHUNK_WHILE_STARTING = 256
+
 # A forked child (a DataLoader worker) stages in its own threads, not in a staging process.
 _forked = False
 
@@ -104,18 +107,48 @@ class Stager:
         raised; transient failures that outlast their retries are reported per object.
         ``here`` stages in this process even where a staging process would: for an object
         a reader is waiting for, which must not queue behind a round of staging ahead.
+        By default (``FetchConfig.staging_process`` None) objects are staged here while
+        the staging process starts up, a chunk at a time, then there.
         With ``hold``, what the cache turns away is fetched all the same and held there
         for ``reads[i]`` reads (1 each by default; 0: not held): outcome "held".
         """
         if not objects:
             return []
         tracker = Progress(callback=progress)
-        if not here and self._elsewhere():
-            results = self._stage_in_staging_process(objects, tracker)
-            if hold is not None:
-                self._hold_skipped(objects, results, hold, reads)
-            return results
-        return Round(self, objects, tracker, hold, reads).run()
+        if here or not self._elsewhere():
+            return Round(self, objects, tracker, hold, reads).run()
+        if self.config.staging_process:
+            return self._there(objects, tracker, hold, reads)
+        # The default: not where a pin budget turns objects away (the process would fetch
+        # those only to drop them, and this one again); and while the process starts up,
+        # here a chunk at a time, so nothing waits for it.
+        c = self.cache.config
+        if hold is not None and c.policy == "pin" and c.max_bytes is not None:
+            return Round(self, objects, tracker, hold, reads).run()
+        results: list[StageResult] = []
+        start = 0
+        while start < len(objects) and not self._staging_process().ready():
+            end = start + _CHUNK_WHILE_STARTING
+            chunk_reads = None if reads is None else reads[start:end]
+            results += Round(self, objects[start:end], tracker, hold, chunk_reads).run()
+            start = end
+        if start < len(objects):
+            rest_reads = None if reads is None else reads[start:]
+            results += self._there(objects[start:], tracker, hold, rest_reads)
+        return results
+
+    def _there(
+        self,
+        objects: Sequence[RemoteObject],
+        tracker: Progress,
+        hold: Holding | None,
+        reads: Sequence[int] | None,
+    ) -> list[StageResult]:
+        """Stages objects in the staging process (what it skips for ``hold``, here)."""
+        results = self._stage_in_staging_process(objects, tracker)
+        if hold is not None:
+            self._hold_skipped(objects, results, hold, reads)
+        return results
 
     def _hold_skipped(
         self,
@@ -140,25 +173,27 @@ class Stager:
             results[i] = result
 
     def _elsewhere(self) -> bool:
-        """Whether to stage in a staging process: for remote objects, from a process that
-        was not forked (a DataLoader worker stages in its own threads), and not for the
-        ``plan`` policy's cache, whose eviction needs the access order this process holds."""
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        return (
-            self.config.staging_process
-            and protocol not in ("file", "local")
-            and self.cache.plan is None
-            and not _forked
-        )
+        """Whether to stage in a staging process: unless the config says this process, for
+        remote objects, from a process that was not forked (a DataLoader worker stages in
+        its own threads), and not for the ``plan`` policy's cache, whose eviction needs the
+        access order this process holds."""
+        return stages_elsewhere(self.fs, self.cache, self.config)
+
+    def _staging_process(self) -> staging_process.StagingProcess:
+        return staging_process.for_stager(self.fs, self.root, self.cache.config, self.config)
 
     def _stage_in_staging_process(
         self, objects: Sequence[RemoteObject], tracker: Progress
     ) -> list[StageResult]:
-        process = staging_process.for_stager(self.fs, self.root, self.cache.config, self.config)
+        process = self._staging_process()
+
+        # After chunks staged here (while it started), its counts add to theirs.
+        base = (tracker.objects_done, tracker.bytes_done, tracker.fetched_bytes)
 
         def progress(objects_done: int, bytes_done: int, fetched_bytes: int) -> None:
-            tracker.objects_done, tracker.bytes_done = objects_done, bytes_done
-            tracker.fetched_bytes = fetched_bytes
+            tracker.objects_done = base[0] + objects_done
+            tracker.bytes_done = base[1] + bytes_done
+            tracker.fetched_bytes = base[2] + fetched_bytes
             tracker.report()
 
         answers = process.stage(
@@ -166,9 +201,10 @@ class Stager:
         )
         results = [StageResult(*answer) for answer in answers]  # type: ignore[arg-type]
         if tracker.callback is not None:  # the exact totals (progress comes at most 10/s)
-            tracker.objects_done = len(results)
-            tracker.bytes_done = sum(r.nbytes for r in results)
-            tracker.fetched_bytes = sum(r.nbytes for r in results if r.outcome == "fetched")
+            tracker.objects_done = base[0] + len(results)
+            tracker.bytes_done = base[1] + sum(r.nbytes for r in results)
+            fetched = sum(r.nbytes for r in results if r.outcome == "fetched")
+            tracker.fetched_bytes = base[2] + fetched
             tracker.report()
         return results
 
@@ -260,6 +296,28 @@ class Stager:
             return bytes(with_retries(get, url, retries=c.retries, base_s=c.backoff_s))
         except RemoteChangedError as exc:
             raise _with_pin(exc, url, pin) from None
+
+
+def stages_elsewhere(fs: fsspec.AbstractFileSystem, cache: Cache, config: FetchConfig) -> bool:
+    """Whether a stager of fs, cache and config stages in a staging process (see
+    :meth:`Stager._elsewhere`)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return (
+        not config.stages_in_process()
+        and protocol not in ("file", "local")
+        and cache.plan is None
+        and not _forked
+    )
+
+
+def start_staging_process(
+    fs: fsspec.AbstractFileSystem, root: str, cache: Cache, config: FetchConfig
+) -> None:
+    """Starts the staging process of a stager of these settings now, where its rounds will
+    go to one, so its start-up (a fresh interpreter: a second or more) overlaps what comes
+    before the first round (the listing, opening the dataset) instead of delaying it."""
+    if stages_elsewhere(fs, cache, config):
+        staging_process.for_stager(fs, root, cache.config, config).start()
 
 
 def _with_pin(error: RemoteError, url: str, pin: Pin) -> RemoteError:

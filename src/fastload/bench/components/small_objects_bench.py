@@ -33,7 +33,9 @@ process where there is one, which a training job does once):
   crawls then, so that case stages only ``gil_objects``. ``busy thread lost`` is the
   share of the thread's rate that staging took (the GIL and, on 2 cores, CPU time);
   ``GIL ms/obj`` that share times the wall time, per object: what the training step lost
-  to each staged object. Their client CPU includes the busy thread's.
+  to each staged object; ``GIL blocked ms/obj`` the thread's time blocked (its wall time
+  less its time on a CPU and in the run queue, from ``/proc/.../schedstat``): the GIL
+  alone, whatever else the machine runs. Their client CPU includes the busy thread's.
 * ``fastload warm, 8 processes on one cache``: a node's 8 ranks each warming the whole
   dataset into one cache at once (each a process of its own, racing for every object:
   the cache's locks and SQLite's writer lock are shared). Objects/s counts each object
@@ -74,6 +76,7 @@ FASTLOAD_S3FS = "fastload warm, s3fs transport"
 FASTLOAD_PROCESS = "fastload warm, staging process"
 FASTLOAD_GIL = "fastload warm beside a GIL-holding thread"
 FASTLOAD_GIL_PROCESS = "fastload warm, staging process, beside a GIL-holding thread"
+FASTLOAD_GIL_DEFAULT = "fastload warm, no FetchConfig, lists first, beside a GIL-holding thread"
 FASTLOAD_NODE = "fastload warm, 8 processes on one cache"
 S5CMD = "s5cmd cp"
 
@@ -95,7 +98,9 @@ from fastload.manifest import load_manifest
 from fastload.staging import FetchConfig
 spec = json.loads(sys.argv[1])
 url, cache, options = spec["url"], spec["cache"], spec["storage_options"]
-fetch = FetchConfig(transport=spec["transport"], staging_process=spec["staging_process"])
+# staging_process None: no FetchConfig at all, exactly as a user who sets nothing.
+fetch = None if spec["staging_process"] is None else FetchConfig(
+    transport=spec["transport"], staging_process=spec["staging_process"])
 keys = None
 if not spec["list"]:
     fl.warm(url, cache_dir=cache, storage_options=options, dry_run=True, progress=False)
@@ -107,8 +112,18 @@ if not spec["list"]:
                 keys=listing[:1])
     keys = listing[first : spec["objects"] or len(listing)]
 spins = [0]
+busy_tid = [0]
 stop = threading.Event()
+def schedstat():
+    # The busy thread's time on a CPU and waiting for one (ns): the rest of the wall time
+    # it spent blocked, which for a thread that does nothing but Python is the GIL.
+    if not busy_tid[0]:
+        return 0, 0
+    with open(f"/proc/self/task/{busy_tid[0]}/schedstat") as f:
+        run, queued = f.read().split()[:2]
+    return int(run), int(queued)
 def busy():
+    busy_tid[0] = threading.get_native_id()
     n = 0
     while not stop.is_set():
         n += 1
@@ -120,14 +135,17 @@ if spec["busy"]:
     s0 = spins[0]; time.sleep(1.0); alone = (spins[0] - s0) / 1.0
 print("ready", flush=True)
 sys.stdin.readline()
-s0, t0 = spins[0], time.monotonic()
+s0, t0, sched0 = spins[0], time.monotonic(), schedstat()
 report = fl.warm(url, cache_dir=cache, storage_options=options, fetch=fetch, progress=False,
                  keys=keys)
 wall = time.monotonic() - t0
+sched1 = schedstat()
 busy_rate = (spins[0] - s0) / wall
 stop.set()
+blocked = wall - (sched1[0] - sched0[0] + sched1[1] - sched0[1]) / 1e9
 print(json.dumps({"fetched": report.fetched, "failed": report.failed, "wall": wall,
-                  "busy_lost": 1 - busy_rate / alone if alone else None}), flush=True)
+                  "busy_lost": 1 - busy_rate / alone if alone else None,
+                  "gil_blocked": max(0.0, blocked) if alone else None}), flush=True)
 sys.stdin.readline()
 """
 
@@ -206,6 +224,8 @@ class _Run:
     # The fastload processes' own CPU, helper processes left out: with a staging process,
     # what the training process spent (an upper bound on the GIL it held).
     own_cpu_s: float | None = None
+    # The busy thread's time blocked (neither on a CPU nor waiting for one): the GIL.
+    gil_blocked_s: float | None = None
 
 
 def _readline(stream: IO[str], what: str) -> str:
@@ -318,10 +338,11 @@ def _fastload(
     cache: Path,
     *,
     transport: str = "auto",
-    staging_process: bool = False,
+    staging_process: bool | None = False,
     list_first: bool = False,
     busy: bool = False,
     objects: int | None = None,
+    untimed_first: bool = True,
 ) -> _Run:
     spec = _spec(
         server,
@@ -331,10 +352,12 @@ def _fastload(
         list=list_first,
         busy=busy,
         objects=objects,
+        untimed_first=untimed_first,
     )
     (result,), run = _stage_in_children(server, [spec])
     run.seconds = result["wall"]  # the child's own clock: from its start to its report
     run.busy_lost = result["busy_lost"]
+    run.gil_blocked_s = result.get("gil_blocked")
     return run
 
 
@@ -382,6 +405,13 @@ def _systems(config: SmallObjectsBenchConfig) -> dict[str, dict[str, Any]]:
         FASTLOAD_S3FS: {"transport": "fsspec"},
         FASTLOAD_GIL: {"busy": True, "objects": config.gil_objects},
         FASTLOAD_GIL_PROCESS: {"staging_process": True, "busy": True},
+        # Exactly as a user who sets nothing: the staging process starts at the listing.
+        FASTLOAD_GIL_DEFAULT: {
+            "staging_process": None,
+            "busy": True,
+            "list_first": True,
+            "untimed_first": False,
+        },
     }
 
 
@@ -403,6 +433,9 @@ def _row(config: SmallObjectsBenchConfig, case: str, name: str, done: list[_Run]
         extra["GIL ms/obj"] = 1000 * statistics.median(
             (r.busy_lost or 0.0) * r.seconds / r.objects for r in lost
         )
+        blocked = [r.gil_blocked_s / r.objects for r in lost if r.gil_blocked_s is not None]
+        if blocked:  # from the thread's schedstat: the GIL alone, not the cores
+            extra["GIL blocked ms/obj"] = 1000 * statistics.median(blocked)
     if name == FASTLOAD_NODE:
         extra["GETs/obj"] = max((r.downloads or 0) / r.objects for r in done)
     return Measurement(
