@@ -265,7 +265,10 @@ class E2EConfig:
             steps=("sleep",),
             epochs=2,
             repeats=1,
-            epoch_budget_s=4.0,
+            # 8 s, not 4: an 8-worker DataLoader's first round of batches (a batch per
+            # worker, all done together) took ~4 s on 2 cores; at 4 s its epochs were cut
+            # after one batch (11 samples/s against 45 in the full run).
+            epoch_budget_s=8.0,
             cold_epoch_budget_s=10.0,
             run_timeout_s=120.0,
             layouts=("folder", "tar"),
