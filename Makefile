@@ -2,7 +2,7 @@
 #   make test         lint + C++ tests + a bare install's check + the whole pytest suite
 #                     (what CI runs; installs .[test])
 #   make bench-quick  the main job: `fastload bench --quick` on a generated dataset
-#                     (installs .[bench] only)
+#                     (installs .[bench] only; ~3 min; prints the load average)
 #   make bench        the full benchmark
 #   make bench-peers  .venv-peers: the peers that need torchvision (mosaicml-streaming,
 #                     litdata; ~5.5 GB with CUDA torch); `make bench` then measures them too

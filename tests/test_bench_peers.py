@@ -1,9 +1,11 @@
 """The benchmark's peers as their maintainers set them up (SPDL's pipeline, the I/O-bound
-peers at their documented concurrency): real S3 server, real child processes, real SPDL
-where it and FFmpeg's libraries are installed."""
+peers at their documented concurrency) and the quick run's longer warm measurement: real S3
+server, real child processes, real SPDL where it and FFmpeg's libraries are installed."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import stat
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastload.bench.e2e import e2e_bench
+from fastload.bench.e2e import e2e_bench, e2e_report
 from fastload.bench.e2e.e2e_data import DataConfig, generate
 from fastload.bench.peers import spdl_peer
 from fastload.decode.params import EvalPreset, TrainPreset
@@ -142,6 +144,47 @@ def test_the_fsspec_peer_runs_its_documented_worker_count(tmp_path: Path) -> Non
     assert [(e["samples"], e["distinct"]) for e in run["epochs"]] == [(24, 24), (24, 24)]
     log = (tmp_path / "work" / "e2e").rglob("spec.json")
     assert not list(log)  # the spec (with credentials) is gone with its child
+
+
+def test_warm_epochs_repeat_until_they_have_run_min_warm_s(tmp_path: Path) -> None:
+    report = e2e_bench.run(tmp_path, tiny(systems=(e2e_bench.FASTLOAD,), min_warm_s=1.0))
+    (run,) = report.params["runs"]
+    assert run["status"] == "ok", run["note"]
+    warm = run["epochs"][1:]
+    assert len(warm) > 1  # 24 samples take well under a second an epoch
+    assert sum(e["seconds"] for e in warm) >= 1.0
+    assert all(e["samples"] == TINY.samples for e in warm)
+    # The resume check still compares against the configured last epoch's order.
+    assert run["resume"]["resume_exact"] is True
+    # The table says how loaded the machine was, before and after.
+    before, after = report.params["load_average"]["before"], report.params["load_average"]["after"]
+    assert len(before) == len(after) == 3
+    text = e2e_report.summary(report)
+    assert f"load average (1 min) {before[0]:.2f} before, {after[0]:.2f} after" in text
+    assert f"on {os.cpu_count()} cores" in text
+
+
+def test_quick_measures_warm_epochs_for_seconds_and_leaves_out_the_slowest_peers(
+    tmp_path: Path,
+) -> None:
+    quick = e2e_bench.E2EConfig.quick()
+    assert quick.min_warm_s >= 3.0
+    assert quick.resume is False
+    data = generate(tmp_path, TINY)
+    for system in (e2e_bench.FSSPEC, e2e_bench.FILECACHE, e2e_bench.S3TORCH):
+        reason = e2e_bench._skip_reason(quick, system, data, None, {})
+        assert "left out of --quick" in reason, system
+        named = dataclasses.replace(quick, systems=(system,))
+        assert "left out" not in e2e_bench._skip_reason(named, system, data, None, {})
+    for system in (e2e_bench.FSSPEC_DOCS, e2e_bench.S3TORCH_DOCS, e2e_bench.FASTLOAD):
+        assert "left out" not in e2e_bench._skip_reason(quick, system, data, None, {})
+
+
+def test_the_load_line_says_busy_when_the_machine_was_loaded_before_the_run() -> None:
+    cores = os.cpu_count() or 1
+    assert "quiet" in e2e_bench.load_line((0.0, 0.0, 0.0), (float(cores), 0.0, 0.0))
+    busy = e2e_bench.load_line((cores + 1.0, 0.0, 0.0), (cores + 1.0, 0.0, 0.0))
+    assert "BUSY machine" in busy
 
 
 @needs_spdl

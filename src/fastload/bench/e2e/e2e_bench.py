@@ -190,7 +190,10 @@ PEERS_VENV_MODULES = {
     HF_MAP: "datasets",
     HF_STREAMING: "datasets",
 }
-URL_SYSTEMS = (FASTLOAD, FSSPEC, FSSPEC_OPEN, FILECACHE)  # need no conversion, no full copy
+URL_SYSTEMS = (FASTLOAD, FSSPEC, FSSPEC_OPEN, FILECACHE)
+# Left out of --quick: the slowest peers in every full run; the I/O-bound ones stay in at
+# the concurrency their docs recommend (FSSPEC_DOCS, S3TORCH_DOCS), which is their best.
+QUICK_LEFT_OUT = (FSSPEC, FILECACHE, S3TORCH)  # need no conversion, no full copy
 BUCKET = "fastload-bench"
 
 
@@ -216,6 +219,13 @@ class E2EConfig:
     systems: tuple[str, ...] | None = None  # None: every system of PLAN but OPT_IN
     layouts: tuple[str, ...] = LAYOUTS
     conversion_peers: bool = True  # mosaicml-streaming and litdata (they convert first)
+    # Warm epochs repeat until they have run this long together (a short set's epoch of a
+    # second would make the warm rate a guess); 0: just the configured epochs.
+    min_warm_s: float = 0.0
+    # Systems measured only when named (--system), with a note: --quick's leaves the peers
+    # that are never the best out (the same ones at the concurrency their docs recommend
+    # stay in).
+    left_out: tuple[str, ...] = ()
     peers_python: str | None = None  # None: $FASTLOAD_PEERS_PYTHON, else ./.venv-peers
 
     def __post_init__(self) -> None:
@@ -224,8 +234,8 @@ class E2EConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.cold_epoch_budget_s is not None and self.cold_epoch_budget_s <= 0:
             raise ValueError(f"cold_epoch_budget_s must be > 0, got {self.cold_epoch_budget_s}")
-        if self.workers < 0 or self.step_s < 0 or self.latency_s < 0:
-            raise ValueError("workers, step_s and latency_s must be >= 0")
+        if self.workers < 0 or self.step_s < 0 or self.latency_s < 0 or self.min_warm_s < 0:
+            raise ValueError("workers, step_s, latency_s and min_warm_s must be >= 0")
         if self.bandwidth_bytes_per_s is not None and self.bandwidth_bytes_per_s <= 0:
             raise ValueError("bandwidth_bytes_per_s must be > 0, or None for no cap")
         unknown = set(self.systems or ()) - set(PLAN)
@@ -242,21 +252,30 @@ class E2EConfig:
 
     @classmethod
     def quick(cls) -> E2EConfig:
-        """About two and a half minutes on 2 cores: 600 images, folder and tar, a cold and a warm
-        epoch, one run each, with the sleeping step; the conversion peers (unless named in
-        ``systems``), Zarr, Parquet and the GIL-holding step (which would double the time) are
-        left to the full run; ``layouts=("parquet",)`` (``--quick --layout parquet``) measures
-        the Parquet layout at the same size instead."""
+        """About three minutes on 2 cores: 600 images, folder and tar, a cold epoch and warm
+        epochs repeated until they have run 3 s together (one epoch of 600 is about a
+        second: too short for a ratio), one run each, with the sleeping step, no resume;
+        the conversion peers (unless named in ``systems``), Zarr, Parquet, the GIL-holding
+        step (which would double the time) and the peers that are never the best
+        (:data:`QUICK_LEFT_OUT`) are left to the full run; ``layouts=("parquet",)``
+        (``--quick --layout parquet``) measures the Parquet layout at the same size
+        instead."""
         return cls(
             data=DataConfig(samples=600),
             steps=("sleep",),
             epochs=2,
             repeats=1,
-            epoch_budget_s=4.0,
+            # 8 s, not 4: an 8-worker DataLoader's first round of batches (a batch per
+            # worker, all done together) took ~4 s on 2 cores; at 4 s its epochs were cut
+            # after one batch (11 samples/s against 45 in the full run).
+            epoch_budget_s=8.0,
             cold_epoch_budget_s=10.0,
             run_timeout_s=120.0,
             layouts=("folder", "tar"),
             conversion_peers=False,
+            min_warm_s=3.0,
+            resume=False,
+            left_out=QUICK_LEFT_OUT,
         )
 
 
@@ -266,6 +285,27 @@ def steps_option(holds_gil: bool | None) -> tuple[str, ...] | None:
     if holds_gil is None:
         return None
     return STEP_KINDS if holds_gil else ("sleep",)
+
+
+def _load_average(when: str) -> tuple[float, float, float]:
+    """The machine's load average (1, 5, 15 min), said as it is taken: a run on a busy
+    machine must say so beside its ratios."""
+    load = os.getloadavg()
+    print(f" load average {when}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    return load
+
+
+def load_line(before: tuple[float, ...], after: tuple[float, ...]) -> str:
+    """The table's line on the machine's load: the 1-minute load average before the run
+    and after it, against the cores; "busy" when something else already loaded it
+    (before the run, more than half its cores)."""
+    cores = os.cpu_count() or 1
+    busy = before[0] > cores / 2
+    state = "BUSY machine: other work shares the cores, ratios are rough" if busy else "quiet"
+    return (
+        f"load average (1 min) {before[0]:.2f} before, {after[0]:.2f} after, "
+        f"on {cores} cores: {state}"
+    )
 
 
 def upload(server: S3FolderServer, local_dir: Path, prefix: str) -> int:
@@ -317,6 +357,8 @@ def _skip_reason(
             return f"not installed: `make bench-peers` builds .venv-peers ({needs})"
         if not peer_versions.get(module):
             return f"{module} does not import with {peers_python}: rerun `make bench-peers`"
+    if system in config.left_out and system not in (config.systems or ()):
+        return "left out of --quick (never the best peer); `fastload bench` runs it"
     if system in (DALI, S5CMD_DALI) and not _dali_installed():
         return "not installed: pip install nvidia-dali-cuda130 (its CPU pipeline needs no GPU)"
     if system == S5CMD_DALI and e2e_s3_peers.s5cmd_binary() is None:
@@ -411,6 +453,7 @@ def _spec(
         "seed": config.seed,
         # Resuming runs no step: measured once, with the first step kind.
         "resume": config.resume and step == config.steps[0],
+        "min_warm_s": config.min_warm_s,
         **more,
     }
 
@@ -446,6 +489,7 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
     """Generates (or reuses) the dataset, serves it, measures every system on every layout
     it reads; see the module docstring."""
     config = config or E2EConfig()
+    load_before = _load_average("before")
     out = Path(out_dir)
     data = generate(out / "data" / f"e2e-{config.data.samples}", config.data)
     work = out / "work" / "e2e"
@@ -534,8 +578,10 @@ def run(out_dir: str | os.PathLike[str], config: E2EConfig | None = None) -> Rep
         f"fastload bench: {data.samples:,} JPEGs from S3 at {config.latency_s * 1000:g} ms "
         f"per request, {_workers(config)}, batch {config.batch_size}, {_steps(config)}"
     )
+    title += "\n" + load_line(load_before, _load_average("after"))
     peers = {"python": peers_python, "modules": peer_versions} if peer_versions else None
-    return e2e_report.build(asdict(config), title, data, runs, peers)
+    params = {**asdict(config), "load_average": {"before": load_before, "after": os.getloadavg()}}
+    return e2e_report.build(params, title, data, runs, peers)
 
 
 def run_url(
@@ -555,6 +601,7 @@ def run_url(
     from fastload.manifest import list_dataset
 
     config = config or E2EConfig()
+    load_before = _load_average("before")
     asked = sorted(set(config.systems or ()) & set(CONVERSIONS))
     if asked:
         raise NotYetAvailableError(
@@ -612,4 +659,10 @@ def run_url(
                 one.repeat = repeat
                 runs.append(one)
     title = f"fastload bench {url} ({fmt}: {why}), {_workers(config)}, {_steps(config)}"
-    return e2e_report.build({**asdict(config), "url": url}, title, None, runs, None)
+    title += "\n" + load_line(load_before, _load_average("after"))
+    params = {
+        **asdict(config),
+        "url": url,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+    }
+    return e2e_report.build(params, title, None, runs, None)

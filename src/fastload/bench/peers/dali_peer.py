@@ -11,7 +11,11 @@ checkpointing on) and with ``exec_dynamic=True``, each fed as the harness feeds 
 (2.73, 2.73 and 2.61 ms, medians of 3 epochs of the 3,000 images), so they do the same
 work; prefetch stays at DALI's default depth (2), which covers a 20 ms step. What remains
 is outside DALI's graph (the machine's load when each was measured, the harness's memory
-sampling of the child); see the e2e JSON's ``cpu_s`` against ``warm_samples_per_s``."""
+sampling of the child); see the e2e JSON's ``cpu_s`` against ``warm_samples_per_s``. On
+2026-12-05 (busy machine, load 4.8 before the run) ``fastload bench --quick`` had this peer
+at 782 samples/s warm on the folder, above the decode benchmark's 695 that day, while
+the same pipeline after s5cmd's copy made 451 in the same run: on this machine, load
+moves a peer's rate more than any of DALI's settings did. Not yet measured on a quiet one."""
 
 from __future__ import annotations
 

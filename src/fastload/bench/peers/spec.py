@@ -46,6 +46,7 @@ class RunSpec:
     step: str = "sleep"  # the training step: sleep, or gil (runner.TrainingStep)
     step_iterations: int | None = None  # the gil step's work (None: measured in the child)
     samples: int | None = None  # known size of the dataset (None: the system finds out)
+    min_warm_s: float = 0.0  # more warm epochs until they have run this long together
     labels: dict[str, int] = field(default_factory=dict)  # class folder -> index
 
 
