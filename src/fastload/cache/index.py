@@ -47,6 +47,7 @@ from fastload.errors import CacheError
 FORMAT_VERSION = 3
 _CONNECT_TIMEOUT_S = 60.0
 _CHECKPOINT_WAIT_MS = 200  # how long a commit waits to reset a grown WAL (then: later)
+_CHECKPOINT_LONG_WAIT_MS = 5000  # ... and for a WAL 4x past its reserve
 _RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
 _COLUMNS = "id, url, size, checksum, version, created, last_use, segment, position, start"
 
@@ -273,8 +274,11 @@ class Index:
         except OSError:
             return
         if size > WAL_RESERVE // 2:
-            # Waiting briefly: a publisher must not stall behind a long reader.
-            db.execute(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
+            # Waiting briefly: a publisher must not stall behind a long reader. But on a
+            # loaded machine a reader descheduled mid-read outlasts a brief wait at every
+            # commit (the WAL passed 64 MB at load 10 on 2 cores): far over, wait longer.
+            wait_ms = _CHECKPOINT_WAIT_MS if size < 4 * WAL_RESERVE else _CHECKPOINT_LONG_WAIT_MS
+            db.execute(f"PRAGMA busy_timeout={wait_ms}")
             try:
                 with contextlib.suppress(sqlite3.OperationalError):  # busy: the next commit
                     db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()

@@ -34,14 +34,14 @@ decide (the DALI backend then finds the bad sample on a pipeline of its own).
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
+
+from fastload.resources import lower_thread_priority
 
 __all__ = ["DALIFeeder", "Fed", "PipelineFailed"]
 
@@ -140,7 +140,7 @@ class DALIFeeder:
         stopped: BaseException = ValueError(
             "the DALI pipeline was closed before this batch was decoded"
         )
-        _lower_priority(self._nice)
+        lower_thread_priority(self._nice)
         try:
             self._pipe = self._build()
         except BaseException as e:
@@ -282,18 +282,6 @@ class DALIFeeder:
             return  # a run still in DALI: leave the pipeline to it
         pipe, self._pipe = self._pipe, None
         shutdown_pipeline(pipe)
-
-
-def _lower_priority(nice: int) -> None:
-    """This thread ``nice`` steps below its CPU priority, where Linux allows it per thread
-    (threads it starts, DALI's native ones included, inherit it); else nothing."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:  # not permitted (a sandbox): run at the same priority
-        pass
 
 
 def shutdown_pipeline(pipe: Any) -> None:

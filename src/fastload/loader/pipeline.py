@@ -17,8 +17,6 @@ the stage.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import threading
 import time
 from collections import deque
@@ -26,24 +24,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastload.loader.stats import LoaderStats
+from fastload.resources import lower_thread_priority
 
 # Threads wake at least this often to notice close(), whatever else they wait for.
 _POLL_S = 0.1
-
-
-def lower_priority(nice: int) -> None:
-    """Runs the calling thread ``nice`` steps below its CPU priority, where the OS allows it
-    per thread (Linux); threads it starts afterwards, native ones included, inherit that.
-    Without a spare core the training step then keeps its core and the loader takes what is
-    left (on 2 cores beside an 80 ms GIL-holding step, nice 10 against 0: the step lost 9-10%
-    of its time to the loader instead of 22-28%, and the loader delivered 1.05-1.12x)."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:  # not permitted (a sandbox): run at the same priority
-        pass
 
 
 class LoaderTimeoutError(RuntimeError):
@@ -138,7 +122,7 @@ class Pipeline:
 
     def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
         def run() -> None:
-            lower_priority(self._nice)
+            lower_thread_priority(self._nice)
             target()
 
         thread = threading.Thread(target=run, name=name, daemon=True)

@@ -142,17 +142,6 @@ class DoctorBenchConfig:
         }[name]
 
 
-def _busy_ticks() -> int | None:
-    """The machine's busy CPU time so far, in clock ticks (``/proc/stat``); None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
-    return sum(fields[:8]) - idle
-
-
 def _ours() -> float:
     """CPU seconds of this process and those below it (the S3 server)."""
     return sum(cpu_seconds(process_tree(os.getpid())).values())
@@ -171,11 +160,12 @@ def _diagnose(
     wall time) on a fresh cache. Another job on a 2-core machine skews every phase."""
     from fastload.bench.doctor_data import builtin_remote
     from fastload.diagnosis import doctor
+    from fastload.diagnosis.measure import machine_busy_s
 
     shutil.rmtree(cache, ignore_errors=True)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with builtin_remote(work, samples=config.samples, latency_s=latency_s) as (url, options):
-        busy, ours = _busy_ticks(), _ours()
+        busy, ours = machine_busy_s(), _ours()
         start = time.perf_counter()
         report = doctor(
             url,
@@ -189,9 +179,9 @@ def _diagnose(
         )
         seconds = time.perf_counter() - start
         others = None
-        after = _busy_ticks()
+        after = machine_busy_s()
         if busy is not None and after is not None and seconds > 0:
-            machine = (after - busy) / os.sysconf("SC_CLK_TCK")
+            machine = after - busy
             others = round(max(0.0, machine - (_ours() - ours)) / seconds, 3)
     shutil.rmtree(cache, ignore_errors=True)
     return report, seconds, others
