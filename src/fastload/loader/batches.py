@@ -33,10 +33,9 @@ from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
 from fastload.staging.range_pool import range_pool
 
-# Objects read lately that a batch reading them again does not count again (hits and
-# misses are per object read, not per sample): more than a batch's shards, fewer than an
-# epoch's objects of a small dataset.
-_NEEDED_WINDOW = 128
+# Batches whose objects a batch reading them again does not count again (hits and misses
+# are per object read, not per sample: a tar shard read on by the next batch is one read).
+_NEEDED_BATCHES = 2
 
 
 def decodable(dataset: object) -> bool:
@@ -169,8 +168,8 @@ class BatchBuilder:
 
     def _note_needed(self, shards: Iterable[int]) -> None:
         """Counts each object a batch reads (each range, for shards staged as ranges) once,
-        and not again while it stays among the pass's last ``_NEEDED_WINDOW`` objects read
-        (the batches after reading on in a tar shard): hits are these minus what was
+        and not again while it stays among the objects of the pass's last ``_NEEDED_BATCHES``
+        batches (the next batch reading on in a tar shard): hits are these minus what was
         fetched. An object read again later counts again (a pass over several orders, as
         the doctor's budget phase is, read it from the cache or fetched it again)."""
         needed: list[Sequence[str | Range]] = []
@@ -178,7 +177,7 @@ class BatchBuilder:
             spans = self.ahead.ranges_of(shard)
             needed.append(self.dataset.shard_keys[shard] if spans is None else spans)
         with self._needed_lock:
-            recent, new = self._needed, 0
+            recent, new, batch = self._needed, 0, sum(map(len, needed))
             for keys in needed:
                 for key in keys:
                     if key in recent:
@@ -186,7 +185,7 @@ class BatchBuilder:
                     else:
                         recent[key] = None
                         new += 1
-            while len(recent) > _NEEDED_WINDOW:
+            while len(recent) > _NEEDED_BATCHES * batch:
                 recent.popitem(last=False)
             self.stats.count("objects_needed", new)
 

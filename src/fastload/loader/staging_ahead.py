@@ -143,7 +143,9 @@ class StagingAhead:
             if got:
                 self.stats.count("cache_misses")
                 self.stats.count("bytes_fetched", got)
-        while len(self._staged_ranges) > self._remembered:  # forget the oldest: only a repeat filter
+        while (
+            len(self._staged_ranges) > self._remembered
+        ):  # forget the oldest: only a repeat filter
             del self._staged_ranges[next(iter(self._staged_ranges))]
 
     def hold_reads(self, reads: dict[str, int], samples: dict[str, int]) -> list[int]:
