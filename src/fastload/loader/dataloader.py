@@ -93,7 +93,8 @@ class DataLoader(tud.DataLoader[Any]):
     and the augmentations); ``rank``/``world_size`` (default: torch.distributed, else
     torchrun's environment); ``shard`` (None: shard fastload datasets by the plan, leave
     others as torch would); cache settings used when ``dataset`` is a URL; prefetch depth
-    (``prefetch_batches``), staging look-ahead (``lookahead_bytes``), ring depth
+    (``prefetch_batches``), staging look-ahead (``lookahead_bytes``; at most a quarter of
+    an ``lru``/``plan`` cache's ``max_bytes``: ``fastload.loader.lookahead``), ring depth
     (``ring_slots``); ``autotune`` (True, or a dict of bounds: the loader tunes those three
     as it runs, see ``fastload.loader.autotune``).
     """
