@@ -272,6 +272,9 @@ class Cache:
             else:
                 checksum = checksum_value(at.checksum)
                 out.append(self.storage.location(oid, at.segment, at.position, at.size, checksum))
+        # A use now: lru must not evict what the caller is about to read (nor order by the
+        # time of the fetch alone, which made it first-in first-out).
+        self.index.note_uses_buffered([oid for oid, at in zip(oids, out, strict=True) if at])
         return out
 
     @contextlib.contextmanager

@@ -495,6 +495,16 @@ class Index:
         if full:
             self.flush_uses()
 
+    def note_uses_buffered(self, oids: list[str]) -> None:
+        """Uses of many, buffered as :meth:`note_use`'s (this process's evictions write them
+        first, so what a reader just found is not what they pick)."""
+        now = time.time()
+        with self.lock:
+            self._recent.update((oid, now) for oid in oids)
+            full = len(self._recent) >= _RECENCY_FLUSH
+        if full:
+            self.flush_uses()
+
     def note_uses(self, oids: Iterator[str] | list[str]) -> None:
         now = time.time()
         with self.lock:

@@ -294,9 +294,6 @@ def follow(tuner: Autotuner, loader: Any, source: Any, asked: float, delivered: 
     if callable(retune):
         per_batch = max(1, tuner.batch_bytes)
         # Memory for the objects staged ahead grows with the look-ahead.
-        loader._size_holding(knobs.lookahead_bytes // per_batch, loader._prefetch_depth())
-        retune(
-            workers=knobs.num_workers,
-            prefetch=loader._prefetch_depth(),
-            lookahead=knobs.lookahead_bytes // per_batch,
-        )
+        ahead = loader._batches_ahead(knobs.lookahead_bytes, per_batch)
+        loader._size_holding(ahead, loader._prefetch_depth())
+        retune(workers=knobs.num_workers, prefetch=loader._prefetch_depth(), lookahead=ahead)

@@ -15,6 +15,7 @@ import errno
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
@@ -31,6 +32,10 @@ from fastload.loader.staging_ahead import StagingAhead
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
 from fastload.staging.range_pool import range_pool
+
+# Batches whose objects a batch reading them again does not count again (hits and misses
+# are per object read, not per sample: a tar shard read on by the next batch is one read).
+_NEEDED_BATCHES = 2
 
 
 def decodable(dataset: object) -> bool:
@@ -92,7 +97,8 @@ class BatchBuilder:
         self._contexts: list[_ReadContext] = []  # idle ones
         self._contexts_lock = threading.Lock()
         self.ahead = StagingAhead(dataset, stats)
-        self._needed: set[str | Range] = set()  # objects (or ranges) this pass has read
+        # Objects (or ranges) this pass read lately, oldest first (see _note_needed).
+        self._needed: OrderedDict[str | Range, None] = OrderedDict()
         self._needed_lock = threading.Lock()
         # Whether what the cache turns away is fetched ahead into memory: batches are then
         # read after their staging round, which counts the reads each object is held for
@@ -161,17 +167,27 @@ class BatchBuilder:
             self._needed.clear()
 
     def _note_needed(self, shards: Iterable[int]) -> None:
-        """Counts each object a pass reads once (each range, for shards staged as ranges):
-        hits are these minus what was fetched."""
+        """Counts each object a batch reads (each range, for shards staged as ranges) once,
+        and not again while it stays among the objects of the pass's last ``_NEEDED_BATCHES``
+        batches (the next batch reading on in a tar shard): hits are these minus what was
+        fetched. An object read again later counts again (a pass over several orders, as
+        the doctor's budget phase is, read it from the cache or fetched it again)."""
         needed: list[Sequence[str | Range]] = []
         for shard in shards:
             spans = self.ahead.ranges_of(shard)
             needed.append(self.dataset.shard_keys[shard] if spans is None else spans)
         with self._needed_lock:
-            before = len(self._needed)
+            recent, new, batch = self._needed, 0, sum(map(len, needed))
             for keys in needed:
-                self._needed.update(keys)
-            self.stats.count("objects_needed", len(self._needed) - before)
+                for key in keys:
+                    if key in recent:
+                        recent.move_to_end(key)
+                    else:
+                        recent[key] = None
+                        new += 1
+            while len(recent) > _NEEDED_BATCHES * batch:
+                recent.popitem(last=False)
+            self.stats.count("objects_needed", new)
 
     def _read_unchanged(
         self, indices: list[int], context: _ReadContext

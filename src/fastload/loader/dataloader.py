@@ -43,6 +43,7 @@ from fastload.loader import autotune as tuning
 from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.device_decode import dali_options, decodes_into_slots
+from fastload.loader.lookahead import batches_ahead
 from fastload.loader.pipeline import Pipeline
 from fastload.loader.preemption import PreemptionHandler
 from fastload.loader.resume import ResumableIndex, replaying, rng_state, set_rng_state
@@ -92,7 +93,8 @@ class DataLoader(tud.DataLoader[Any]):
     and the augmentations); ``rank``/``world_size`` (default: torch.distributed, else
     torchrun's environment); ``shard`` (None: shard fastload datasets by the plan, leave
     others as torch would); cache settings used when ``dataset`` is a URL; prefetch depth
-    (``prefetch_batches``), staging look-ahead (``lookahead_bytes``), ring depth
+    (``prefetch_batches``), staging look-ahead (``lookahead_bytes``; at most a quarter of
+    an ``lru``/``plan`` cache's ``max_bytes``: ``fastload.loader.lookahead``), ring depth
     (``ring_slots``); ``autotune`` (True, or a dict of bounds: the loader tunes those three
     as it runs, see ``fastload.loader.autotune``).
     """
@@ -365,7 +367,7 @@ class DataLoader(tud.DataLoader[Any]):
             return (len(item) if batched else 1), builder.load(item, epoch)
 
         per_batch = max(1, self._bytes_per_sample() * (self.batch_size or 1))
-        ahead = self.lookahead_bytes // per_batch  # batches staged ahead; 0: none
+        ahead = self._batches_ahead(self.lookahead_bytes, per_batch)  # 0: none
         round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
         prefetch = self._prefetch_depth()
         self._size_holding(ahead, prefetch)
@@ -414,6 +416,12 @@ class DataLoader(tud.DataLoader[Any]):
             round_batches = max(1, _STAGE_ROUND_OBJECTS // (self.batch_size or 1))
             window = (max(ahead, prefetch) + round_batches) * per_batch
             store.holding.resize(memory_share(max(window, _MIN_HOLD_BYTES), 1 / 8))
+
+    def _batches_ahead(self, lookahead_bytes: int, per_batch: int) -> int:
+        """Batches staged ahead: the look-ahead within what the cache's budget keeps."""
+        assert isinstance(self.dataset, ShardedDataset)  # the fast path's datasets
+        config = self.dataset.store.config
+        return batches_ahead(lookahead_bytes, per_batch, config.max_bytes, config.policy)
 
     def _bytes_per_sample(self) -> int:
         assert isinstance(self.dataset, ShardedDataset)  # the fast path's datasets

@@ -9,9 +9,26 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastload.datasets.base import Range, ShardedDataset
+from fastload.loader.lookahead import LOOKAHEAD_BUDGET_SHARE
 from fastload.loader.stats import LoaderStats
 from fastload.staging import StageResult, planner
 from fastload.staging.range_pool import range_pool
+
+_REPEAT_FILTER = 65536  # staged keys (and ranges) remembered, where nothing is evicted
+
+
+def repeat_filter_size(dataset: ShardedDataset) -> int:
+    """How many staged keys the repeat filter trusts to be cached still. Under a budget that
+    evicts (``lru``, ``plan``) an object staged long ago may be gone: skipping it would leave
+    it to a synchronous fetch by its batch (an epoch after the first staged nothing ahead),
+    so only as many are kept as the look-ahead's share of the budget holds."""
+    config = dataset.store.config
+    if config.max_bytes is None or config.policy == "pin":
+        return _REPEAT_FILTER
+    manifest = dataset.store.manifest
+    mean_bytes = max(1, manifest.total_bytes // max(1, len(manifest)))
+    kept = int(config.max_bytes * LOOKAHEAD_BUDGET_SHARE) // mean_bytes
+    return max(0, min(_REPEAT_FILTER, kept))
 
 
 class StagingAhead:
@@ -23,6 +40,7 @@ class StagingAhead:
         self.stats = stats
         self._staged: dict[str, None] = {}  # recently staged keys (insertion-ordered, bounded)
         self._staged_ranges: dict[Range, None] = {}  # and ranges (the same, for stage_ranges)
+        self._remembered = repeat_filter_size(dataset)
         # Whether the dataset stages some shards as byte ranges (its stage_ranges hook), and
         # those ranges by shard (None: the shard's objects are staged whole).
         self._ranged = dataset.stages_by_range
@@ -45,7 +63,7 @@ class StagingAhead:
         for key, result in zip(reads, results, strict=True):
             if result.outcome != "held":  # a held one is staged again for its later reads
                 self._staged[key] = None
-        while len(self._staged) > 65536:  # forget the oldest: only a repeat filter
+        while len(self._staged) > self._remembered:  # forget the oldest: only a repeat filter
             del self._staged[next(iter(self._staged))]
         self.record(results)
 
@@ -125,7 +143,9 @@ class StagingAhead:
             if got:
                 self.stats.count("cache_misses")
                 self.stats.count("bytes_fetched", got)
-        while len(self._staged_ranges) > 65536:  # forget the oldest: only a repeat filter
+        while (
+            len(self._staged_ranges) > self._remembered
+        ):  # forget the oldest: only a repeat filter
             del self._staged_ranges[next(iter(self._staged_ranges))]
 
     def hold_reads(self, reads: dict[str, int], samples: dict[str, int]) -> list[int]:
