@@ -49,7 +49,9 @@ _BACKEND_INSTALL = {
 def open_filesystem(
     url: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem for url and the dataset root path in that filesystem's terms.
+    """The filesystem for url and the dataset root path in that filesystem's terms. A plain
+    ``s3://bucket/prefix`` gets a :class:`~fastload.remote.lazy_s3.LazyS3Filesystem`: s3fs
+    is imported where something needs it, not where obstore serves the bucket.
 
     Raises UnknownProtocolError for a protocol fsspec does not know, MissingBackendError
     (naming the package) where its backend is not installed.
