@@ -51,7 +51,7 @@ class FsspecTransport:
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
-        return real_filesystem(self._fs)  # type: ignore[no-any-return]
+        return real_filesystem(self._fs)
 
     def get(
         self, path: str, start: int | None = None, end: int | None = None, pin: Pin | None = None
