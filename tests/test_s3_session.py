@@ -124,22 +124,55 @@ def test_what_only_botocore_resolves_goes_through_s3fs_s_session(
     assert lazy._fs is not None
 
 
-@pytest.mark.parametrize(
-    ("name", "text"),
-    [
-        ("config", "[default]\nregion = eu-central-1\n"),
-        ("credentials", "[default]\naws_access_key_id = AKIAFILE\naws_secret_access_key = f\n"),
-    ],
-)
-def test_an_aws_file_leaves_it_to_botocore(
-    aws_env: pytest.MonkeyPatch, name: str, text: str
-) -> None:
+_CREDENTIALS_FILE = "[default]\naws_access_key_id = AKIAFILE\naws_secret_access_key = f\n"
+# (~/.aws/config, ~/.aws/credentials, storage options, environment, said without botocore)
+_FILES = {
+    "config region": ("[default]\nregion = eu-central-1\n", None, _KEYS, {}, True),
+    "env region beats config": (
+        "[default]\nregion = eu-central-1\noutput = json\n",
+        None,
+        _KEYS,
+        {"AWS_DEFAULT_REGION": "ap-south-1"},
+        True,
+    ),
+    "credentials file": (None, _CREDENTIALS_FILE, {"endpoint_url": _ENDPOINT}, {}, True),
+    "options beat credentials file": (None, _CREDENTIALS_FILE, _KEYS, {}, True),
+    "env beats credentials file": (
+        "[default]\nregion = us-west-2\n",
+        _CREDENTIALS_FILE + "aws_session_token = ft\n",
+        {"endpoint_url": _ENDPOINT},
+        {"AWS_ACCESS_KEY_ID": "AKIAENV", "AWS_SECRET_ACCESS_KEY": "env-secret"},
+        True,
+    ),
+    "other profiles only": (
+        "[profile x]\nrole_arn = arn:aws:iam::1:role/r\n",
+        None,
+        _KEYS,
+        {},
+        True,
+    ),
+    "role in config": ("[default]\nrole_arn = arn:aws:iam::1:role/r\n", None, _KEYS, {}, False),
+    "endpoint in config": (f"[default]\nendpoint_url = {_ENDPOINT}\n", None, _KEYS, {}, False),
+    "profile default": ("[profile default]\nregion = eu-west-3\n", None, _KEYS, {}, False),
+    "region in credentials": (None, _CREDENTIALS_FILE + "region = eu-west-3\n", {}, {}, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FILES))
+def test_aws_files_read_as_botocore_reads_them(aws_env: pytest.MonkeyPatch, case: str) -> None:
     import os
 
+    config, credentials, options, env, plain = _FILES[case]
     home = Path(os.environ["HOME"])
     (home / ".aws").mkdir()
-    (home / ".aws" / name).write_text(text)
-    options: dict[str, Any] = {"endpoint_url": _ENDPOINT} if name == "credentials" else {**_KEYS}
-    assert plain_session(options) is None
-    lazy = LazyS3Filesystem(options)
-    assert _settings(lazy) == _settings(_s3fs(options))
+    for name, text in (("config", config), ("credentials", credentials)):
+        if text is not None:
+            (home / ".aws" / name).write_text(text)
+    for name, value in env.items():
+        aws_env.setenv(name, value)
+    if plain:
+        aws_env.delenv("AWS_EC2_METADATA_DISABLED")
+    assert (plain_session(dict(options)) is not None) == plain
+    lazy = LazyS3Filesystem(dict(options))
+    assert _settings(lazy) == _settings(_s3fs(dict(options)))
+    assert (lazy._fs is None) == plain  # s3fs's filesystem made only where botocore must say
