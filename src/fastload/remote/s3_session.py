@@ -73,7 +73,7 @@ def _aws_files() -> tuple[str | None, tuple[str, str, str | None] | None] | None
         except (configparser.Error, UnicodeDecodeError):
             return None
         if parser.has_section("profile default"):
-            return None  # which of the two botocore reads: its to say
+            return None  # which of the two sections botocore reads is for botocore to say
         if not parser.has_section("default"):
             continue
         section = dict(parser.items("default"))
