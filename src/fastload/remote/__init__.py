@@ -2,7 +2,8 @@
 keeping credentials out of text (:mod:`.scrub`), one module per transport (:mod:`.transport`
 with its fsspec implementation, :mod:`.obstore` for S3 and HTTP, :mod:`.hub` for ``hf://``;
 :mod:`.connect` picks one), and listing a remote (:mod:`.crawl` into :mod:`.listing`'s
-columns).
+columns). An ``s3://`` filesystem is made only where something needs s3fs
+(:mod:`.lazy_s3`; obstore's settings from :mod:`.s3_session` where botocore is not needed).
 
 fsspec is the transport only: the cache, its locks, its budget and its index are fastload's.
 The names below are what the layers above use most; the rest is in the submodules.

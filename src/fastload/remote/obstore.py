@@ -58,7 +58,9 @@ from fastload.remote.errors import (
     is_throttling,
     is_transient,
 )
+from fastload.remote.lazy_s3 import LazyS3Filesystem
 from fastload.remote.listing import Listing, from_arrow
+from fastload.remote.s3_session import S3Session, plain_session
 from fastload.remote.scrub import scrub
 from fastload.remote.throttle import Throttle, shared_throttle
 from fastload.remote.transport import Buffer, FsspecTransport
@@ -188,12 +190,23 @@ class ObjectStoreTransport(_ObstoreTransport):
     def from_s3fs(cls, fs: Any, timeout_s: float) -> ObjectStoreTransport | None:
         """The transport for an s3fs filesystem, or None where obstore cannot send the same
         requests s3fs would (or is not installed)."""
-        if not _eligible(fs) or _runtime_inherited:
+        if _runtime_inherited or not (isinstance(fs, LazyS3Filesystem) or _eligible(fs)):
             return None
         try:
             import obstore  # noqa: F401
         except ImportError:
             return None
+        if isinstance(fs, LazyS3Filesystem):
+            session = plain_session(fs.storage_options)
+            if session is not None:  # said without botocore: s3fs is not even imported
+                credentials = None if session.credentials is None else _Static(session)
+                endpoint = session.endpoint_url or ""
+                aws = not endpoint or bool(_AWS_HOST.match(endpoint))
+                return cls._made(fs, timeout_s, session.region, endpoint, aws, session.verify,
+                                 credentials)  # fmt: skip
+            fs = fs.materialize()
+            if not _eligible(fs):
+                return None
         client = fsspec.asyn.sync(fs.loop, fs.set_session)
         config = client.meta.config
         if getattr(config, "proxies", None) or getattr(config, "client_cert", None):
@@ -204,24 +217,42 @@ class ObjectStoreTransport(_ObstoreTransport):
         if not aws and addressing == "virtual":
             return None
         verify = (getattr(fs, "client_kwargs", None) or {}).get("verify")
+        anon = bool(getattr(fs, "anon", False))
+        region = client.meta.region_name or "us-east-1"
+        botocore_keys = None if anon else _Credentials(fs, client)
+        return cls._made(fs, timeout_s, region, endpoint, aws, verify, botocore_keys)
+
+    @classmethod
+    def _made(
+        cls,
+        fs: Any,
+        timeout_s: float,
+        region: str,
+        endpoint: str,
+        aws: bool,
+        verify: Any,
+        credentials: Callable[[], dict[str, Any]] | None,
+    ) -> ObjectStoreTransport:
+        """The transport for a session's region, endpoint (AWS's own, or another), TLS
+        trust and credentials (None: anonymous)."""
         if verify is not False and not isinstance(verify, str):
             verify = os.environ.get("AWS_CA_BUNDLE")
         # A CA file is trusted beside the system's roots (botocore trusts it alone).
         options = _client_options(timeout_s, endpoint.partition("://")[0], verify)
         settings: dict[str, Any] = {
-            "region": client.meta.region_name or "us-east-1",
+            "region": region,
             # Every key obstore would otherwise take from its own AWS_* environment.
             "virtual_hosted_style_request": False,
             "request_payer": False,
             "unsigned_payload": False,
-            "skip_signature": bool(getattr(fs, "anon", False)),
+            "skip_signature": credentials is None,
             "client_options": options,
             "retry_config": _NO_RETRIES,
         }
         if not aws:
             settings["endpoint"] = endpoint.rstrip("/")
-        if not settings["skip_signature"]:
-            settings["credential_provider"] = _Credentials(fs, client)
+        if credentials is not None:
+            settings["credential_provider"] = credentials
         return cls(fs, settings, FsspecTransport(fs, timeout_s))
 
     def get(
@@ -584,6 +615,20 @@ class _Credentials:
             # obstore asks again before this; botocore refreshes ahead of its own expiry.
             "expires_at": expiry - datetime.timedelta(minutes=5) if expiry else None,
         }
+
+
+class _Static:
+    """obstore's credential provider for keys given in storage options or the environment
+    (botocore's would answer the same keys, never expiring)."""
+
+    def __init__(self, session: S3Session) -> None:
+        assert session.credentials is not None
+        self._keys = session.credentials
+
+    def __call__(self) -> dict[str, Any]:
+        key, secret, token = self._keys
+        return {"access_key_id": key, "secret_access_key": secret, "token": token,
+                "expires_at": None}  # fmt: skip
 
 
 def _translate(exc: BaseException, timeout_s: float) -> BaseException:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import fsspec
 
+from fastload.remote.lazy_s3 import real_filesystem
 from fastload.remote.listing import Listing
 from fastload.remote.versions import Pin, VersionMismatch, check_total, strong_etag
 
@@ -45,8 +46,12 @@ class FsspecTransport:
     """GETs through the fsspec filesystem itself (any protocol)."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, timeout_s: float) -> None:
-        self.fs = fs
+        self._fs = fs  # a lazy s3:// one is made at the first GET that needs it
         self.timeout_s = timeout_s
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return real_filesystem(self._fs)
 
     def get(
         self, path: str, start: int | None = None, end: int | None = None, pin: Pin | None = None

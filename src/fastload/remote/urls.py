@@ -17,6 +17,7 @@ from fastload.errors import (
     UnknownProtocolError,
 )
 from fastload.remote.hub import hf_commit, hf_pinned, is_hf
+from fastload.remote.lazy_s3 import lazy_s3_filesystem, lazy_s3_root
 from fastload.remote.scrub import public_url, redact_transport_logs
 
 # What to install for a protocol whose fsspec backend is missing (a bare `pip install
@@ -48,18 +49,23 @@ _BACKEND_INSTALL = {
 def open_filesystem(
     url: str, storage_options: dict[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem for url and the dataset root path in that filesystem's terms.
+    """The filesystem for url and the dataset root path in that filesystem's terms. A plain
+    ``s3://bucket/prefix`` gets a :class:`~fastload.remote.lazy_s3.LazyS3Filesystem`: s3fs
+    is imported where something needs it, not where obstore serves the bucket.
 
     Raises UnknownProtocolError for a protocol fsspec does not know, MissingBackendError
     (naming the package) where its backend is not installed.
     """
     refuse_credentials(url)
-    check_protocols(url)
     options = dict(storage_options or {})
     if fsspec.core.split_protocol(url)[0] in ("s3", "s3a"):
         # s3fs sends a HEAD before every whole-object GET to decide whether to split it,
         # doubling requests, latency and client CPU; the stager splits large objects itself.
         options.setdefault("max_concurrency", 1)
+        lazy_root = lazy_s3_root(url)
+        if lazy_root is not None:  # s3fs imported only where something needs it
+            return lazy_s3_filesystem(options), lazy_root
+    check_protocols(url)
     fs, root = fsspec.core.url_to_fs(url, **options)
     redact_transport_logs()  # the backend's modules (and their loggers) are imported now
     return fs, root.rstrip("/") if root not in ("/", "") else root
