@@ -90,6 +90,7 @@ class ColumnarRead:
                 self.stats.count("gil_handoffs", handoffs)
                 return None  # the general path reads them through the cache, which fetches
         self.stats.count("gil_handoffs", handoffs)
+        self.stats.count("column_reads")  # batches read this way
         view = memoryview(buffer)
         encoded = [view[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
         labels = [None] * len(indices) if spans.labels is None else spans.labels.tolist()
