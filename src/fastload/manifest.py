@@ -219,7 +219,8 @@ class Manifest:
     def keys_at(self, at: Int64s) -> list[str]:
         """The keys of objects ``at`` (a batch's), sliced from the key column at once."""
         o, blob = self._key_offsets, self._key_blob
-        return [str(blob[s:e], *_ENCODING) for s, e in zip(o[at].tolist(), o[at + 1].tolist())]
+        starts, ends = o[at].tolist(), o[at + 1].tolist()
+        return [str(blob[s:e], *_ENCODING) for s, e in zip(starts, ends, strict=True)]
 
     def sizes_at(self, at: Int64s) -> Int64s:
         """The sizes of objects ``at``; -1 where the listing has none."""
@@ -231,7 +232,10 @@ class Manifest:
         return [
             str(blob[s:e], *_ENCODING) if has else None
             for s, e, has in zip(
-                o[at].tolist(), o[at + 1].tolist(), self._version_present[at].tolist()
+                o[at].tolist(),
+                o[at + 1].tolist(),
+                self._version_present[at].tolist(),
+                strict=True,
             )
         ]
 

@@ -409,9 +409,7 @@ class BatchBuilder:
         pairs = [split(s, i) for s, i in zip(samples, indices, strict=True)]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
-    def _decode(
-        self, indices: list[int], encoded: list[Any], labels: list[Any], epoch: int
-    ) -> Any:
+    def _decode(self, indices: list[int], encoded: list[Any], labels: list[Any], epoch: int) -> Any:
         assert self.decoder is not None
         unlabelled: set[int] = set()
         if any(label is None for label in labels) and any(label is not None for label in labels):
