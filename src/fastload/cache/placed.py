@@ -36,26 +36,40 @@ def placed_columns(
     """The columns of ``oids`` from the index's rows of them (``Index.placements_of``); a
     stale version or size is not found (the caller's fallback fetches it again), as in
     ``Cache.lookup_many``."""
-    n = len(oids)
     files: dict[str, int] = {}
-    file_ids = np.full(n, -1, dtype=np.int64)
-    offsets = np.zeros(n, dtype=np.int64)
-    checksums = np.zeros(n, dtype=np.uint64)
-    has_checksum = np.zeros(n, dtype=np.bool_)
-    for i, (oid, version, size) in enumerate(zip(oids, versions, sizes, strict=True)):
+    segments: dict[int, int] = {}  # segment -> its file's id (a batch shares a few)
+    file_ids: list[int] = []
+    offsets: list[int] = []
+    sums: list[str | None] = []
+    for oid, version, size in zip(oids, versions, sizes, strict=True):
         at = found_rows.get(oid)
         if (
             at is None
             or (version is not None and at.version != version)
             or (size is not None and at.size != size)
         ):
+            file_ids.append(-1)
+            offsets.append(0)
+            sums.append(None)
             continue
         if at.segment is None:
-            path, offsets[i] = storage.object_path(oid), 0
+            file_ids.append(files.setdefault(storage.object_path(oid), len(files)))
+            offsets.append(0)
         else:
-            path, offsets[i] = storage.segment_path(at.segment), at.position
-        file_ids[i] = files.setdefault(path, len(files))
-        value = checksum_value(at.checksum)
-        if value is not None:
-            checksums[i], has_checksum[i] = value, True
-    return Placed(file_ids >= 0, list(files), file_ids, offsets, checksums, has_checksum)
+            file = segments.get(at.segment)
+            if file is None:
+                path = storage.segment_path(at.segment)
+                file = segments[at.segment] = files.setdefault(path, len(files))
+            file_ids.append(file)
+            offsets.append(at.position)
+        sums.append(at.checksum)
+    values = [checksum_value(c) for c in sums]
+    ids = np.array(file_ids, dtype=np.int64)
+    return Placed(
+        ids >= 0,
+        list(files),
+        ids,
+        np.array(offsets, dtype=np.int64),
+        np.array([0 if v is None else v for v in values], dtype=np.uint64),
+        np.array([v is not None for v in values], dtype=np.bool_),
+    )
