@@ -378,6 +378,8 @@ class BatchBuilder:
             exact=True,
         )
         self.stats.count("bytes_read", total)
+        if checks.hashes:
+            self.stats.count("gil_handoffs")  # the checksums' native call
         self._check(checks, paths, buffer)
         view = memoryview(buffer)
         at, to = starts.tolist(), ends.tolist()
