@@ -10,11 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import fastload as fl
 from fastload.cache import Cache
+from fastload.datasets.columns import IndexRuns
 from fastload.decode import EvalPreset, make_decoder
 from fastload.testing import S3FolderServer
 from fastload.testing.synthetic import jpeg_payloads
@@ -136,3 +138,11 @@ def test_a_damaged_cached_image_is_fetched_again_not_decoded(
     assert counts["corrupt_entries"] == 1
     assert counts["column_reads"] == 2  # the batch with the damaged copy: the general path
     assert "04-ä.jpg" in caplog.text
+
+
+def test_index_runs_at_is_each_index_of_the_runs() -> None:
+    order = np.array([5, 6, 7, 0, 1, 9, 3, 4], dtype=np.int64)
+    runs = IndexRuns(order)
+    indices = np.array([7, 0, 3, 4, 2, 5, 6, 1], dtype=np.int64)
+    assert runs.at(indices).tolist() == [runs[i] for i in indices.tolist()]
+    assert runs.at(indices).tolist() == order[indices].tolist()
