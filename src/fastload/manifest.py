@@ -216,6 +216,34 @@ class Manifest:
             )
         return out
 
+    def keys_at(self, at: Int64s) -> list[str]:
+        """The keys of objects ``at`` (a batch's), sliced from the key column at once."""
+        o, blob = self._key_offsets, self._key_blob
+        starts, ends = o[at].tolist(), o[at + 1].tolist()
+        return [str(blob[s:e], *_ENCODING) for s, e in zip(starts, ends, strict=True)]
+
+    def sizes_at(self, at: Int64s) -> Int64s:
+        """The sizes of objects ``at``; -1 where the listing has none."""
+        return np.asarray(self._sizes[at], dtype=np.int64)
+
+    def versions_at(self, at: Int64s) -> list[str | None]:
+        """The versions of objects ``at`` (None where the listing has none)."""
+        o, blob = self._version_offsets, self._version_blob
+        return [
+            str(blob[s:e], *_ENCODING) if has else None
+            for s, e, has in zip(
+                o[at].tolist(),
+                o[at + 1].tolist(),
+                self._version_present[at].tolist(),
+                strict=True,
+            )
+        ]
+
+    def urls_of(self, keys: Sequence[str]) -> list[str]:
+        """:meth:`object_url` of many keys."""
+        root = self.url.rstrip("/") + "/"
+        return [root + key if key else self.url for key in keys]
+
     def index_of(self, key: str) -> int:
         """The index of key, or -1 if the listing does not hold it."""
         return int(self.indices_of([key])[0])

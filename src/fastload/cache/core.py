@@ -25,6 +25,7 @@ from fastload.cache.config import CacheConfig, Policy, default_cache_dir
 from fastload.cache.eviction import PlanRanking, Victim, lru_order, plan_order
 from fastload.cache.index import Entry, Index
 from fastload.cache.locks import FetchLock, FetchLocks
+from fastload.cache.placed import Placed, placed_columns
 from fastload.cache.read_checks import ReadChecks, checksum_value
 from fastload.cache.storage import Location, PartFile, Storage, disk_error
 from fastload.errors import CacheCorruptError, CacheError
@@ -276,6 +277,13 @@ class Cache:
         # time of the fetch alone, which made it first-in first-out).
         self.index.note_uses_buffered([oid for oid, at in zip(oids, out, strict=True) if at])
         return out
+
+    def placed(
+        self, urls: Sequence[str], versions: Sequence[str | None], sizes: Sequence[int | None]
+    ) -> Placed:
+        """:meth:`lookup_many` as columns (``fastload.cache.placed``): a loader's batch."""
+        oids = [object_id(u) for u in urls]
+        return placed_columns(self.storage, oids, self.index.placements_of(oids), versions, sizes)
 
     @contextlib.contextmanager
     def use(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -70,6 +71,18 @@ class StoreFile(io.RawIOBase):
         return len(data)
 
 
+@dataclass(frozen=True)
+class SampleSpans:
+    """A batch's samples as columns, for a format whose sample is one whole object (a file
+    of a folder): the loader reads and decodes the batch without a Python call per sample.
+    """
+
+    objects: npt.NDArray[np.int64]  # each sample's object, as the manifest indexes it
+    keys: list[str]  # and its key
+    sizes: npt.NDArray[np.int64]  # its bytes (the whole object)
+    labels: npt.NDArray[np.int64] | None  # the class of each sample, where it has one
+
+
 class ShardedDataset:
     """A map-style dataset whose samples live in shards, the unit of caching.
 
@@ -132,6 +145,12 @@ class ShardedDataset:
         """The byte ranges sample ``index`` is made of, in order, for readers that fetch the
         bytes themselves (``fl.DataLoader`` reads them natively, many samples per call);
         None where the format does not map samples to plain byte ranges (Zarr)."""
+        return None
+
+    def sample_spans(self, indices: npt.NDArray[np.int64]) -> SampleSpans | None:
+        """The batch ``indices`` as :class:`SampleSpans` (each sample one whole object, the
+        image that :meth:`image_and_label` gives); None where the format's samples are not
+        that, or where a size is not listed: the loader then goes sample by sample."""
         return None
 
     @property

@@ -108,6 +108,11 @@ class IndexRuns:
         run = bisect.bisect_right(offsets, i) - 1 if len(starts) > 1 else 0
         return starts[run] + i - offsets[run]
 
+    def at(self, indices: Int64s) -> Int64s:
+        """``self[i]`` of each of ``indices`` (a batch's), in numpy."""
+        run = np.searchsorted(self.offsets, indices, side="right") - 1
+        return self.starts[run] + indices - self.offsets[run]
+
     def __getstate__(self) -> dict[str, Any]:
         return {"starts": self.starts, "offsets": self.offsets}
 

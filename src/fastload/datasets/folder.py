@@ -15,7 +15,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from fastload.datasets.base import DatasetError, Range, ShardedDataset
+from fastload.datasets.base import DatasetError, Range, SampleSpans, ShardedDataset
 from fastload.datasets.columns import IndexRuns, Int64s, ends_with, key_tails, slashes
 from fastload.manifest import Manifest
 from fastload.remote.listing import ENCODING as _ENCODING
@@ -117,6 +117,17 @@ class FileDataset(ShardedDataset):
     ) -> Any:
         return bytes(parts[0]) if copy else parts[0]
 
+    def sample_spans(self, indices: Int64s) -> SampleSpans | None:
+        manifest = self.store.manifest
+        objects = self.objects.at(indices)
+        sizes = manifest.sizes_at(objects)
+        if len(sizes) and int(sizes.min()) < 0:
+            return None
+        return SampleSpans(objects, manifest.keys_at(objects), sizes, self._labels_at(indices))
+
+    def _labels_at(self, indices: Int64s) -> Int64s | None:
+        return None
+
     @property
     def decodable(self) -> bool:
         """A file is an encoded image as it is (or not one: the decoder says which)."""
@@ -156,6 +167,9 @@ class ImageFolderDataset(FileDataset):
 
     def target(self, index: int) -> int:
         return int(np.searchsorted(self.class_offsets, index, side="right")) - 1
+
+    def _labels_at(self, indices: Int64s) -> Int64s | None:
+        return np.searchsorted(self.class_offsets, indices, side="right").astype(np.int64) - 1
 
     def _load(self, index: int) -> Any:
         return self.store.read(self.keys[index]), self.target(index)

@@ -27,6 +27,7 @@ from fastload.cache import Location
 from fastload.datasets.base import Range, ShardedDataset
 from fastload.decode import DecodedBatch, DecodeError, Decoder
 from fastload.errors import CacheCorruptError, FastloadError, RemoteChangedError
+from fastload.loader.columnar_read import ColumnarRead, reads_columns
 from fastload.loader.entry_checks import EntryChecks
 from fastload.loader.staging_ahead import StagingAhead
 from fastload.loader.stats import LoaderStats
@@ -104,6 +105,13 @@ class BatchBuilder:
         # read after their staging round, which counts the reads each object is held for
         # (a batch read before would have it fetched twice).
         self.holds = dataset.store.holds_turned_away
+        # A decoded batch of whole-file samples, all cached: read as columns, no Python
+        # call per sample (columnar_read.py); anything else goes through _read.
+        self._columnar = (
+            ColumnarRead(dataset, stats, self._note_keys)
+            if decoder is not None and reads_columns(dataset) and not dataset.stages_by_range
+            else None
+        )
 
     def stage(self, batches: Sequence[Any]) -> None:
         """Fetches the shards of batches ahead of their reads (:class:`StagingAhead`)."""
@@ -127,14 +135,17 @@ class BatchBuilder:
     def _load(self, indices: list[int], epoch: int, context: _ReadContext) -> Any:
         with self.stats.timed("read", len(indices)):
             try:
-                indices, samples = self._read_unchanged(indices, context)
+                columns = None if self._columnar is None else self._columnar.read(indices, context)
+                if columns is None:
+                    indices, samples = self._read_unchanged(indices, context)
             except BaseException as e:
                 raise _noted(e, "read") from None
         if self.decoder is not None:
             start = time.perf_counter()
             self.stats.count("gil_handoffs")  # the decoder's native call
             try:
-                batch = self._decode(indices, samples, epoch)
+                encoded, labels = columns or self._split(indices, samples)
+                batch = self._decode(indices, encoded, labels, epoch)
             except BaseException as e:
                 raise _noted(e, "decode") from None
             self.stats.add("decode", time.perf_counter() - start, len(indices))
@@ -165,6 +176,13 @@ class BatchBuilder:
     def new_pass(self) -> None:
         with self._needed_lock:
             self._needed.clear()
+
+    def _note_keys(self, keys: list[str]) -> None:
+        """:meth:`_note_needed` of shards of one object each, by key."""
+        with self._needed_lock:
+            before = len(self._needed)
+            self._needed.update(keys)
+            self.stats.count("objects_needed", len(self._needed) - before)
 
     def _note_needed(self, shards: Iterable[int]) -> None:
         """Counts each object a batch reads (each range, for shards staged as ranges) once,
@@ -376,6 +394,8 @@ class BatchBuilder:
             exact=True,
         )
         self.stats.count("bytes_read", total)
+        if checks.hashes:
+            self.stats.count("gil_handoffs")  # the checksums' native call
         self._check(checks, paths, buffer)
         view = memoryview(buffer)
         at, to = starts.tolist(), ends.tolist()
@@ -401,12 +421,14 @@ class BatchBuilder:
 
     # --- decode ------------------------------------------------------------------------------
 
-    def _decode(self, indices: list[int], samples: list[Any], epoch: int) -> Any:
-        assert self.decoder is not None
+    def _split(self, indices: list[int], samples: list[Any]) -> tuple[list[Any], list[Any]]:
+        """(encoded images, labels) of a batch's samples."""
         split = self.dataset.image_and_label
         pairs = [split(s, i) for s, i in zip(samples, indices, strict=True)]
-        encoded = [p[0] for p in pairs]
-        labels = [p[1] for p in pairs]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def _decode(self, indices: list[int], encoded: list[Any], labels: list[Any], epoch: int) -> Any:
+        assert self.decoder is not None
         unlabelled: set[int] = set()
         if any(label is None for label in labels) and any(label is not None for label in labels):
             # A null label among labelled samples (a null Parquet cell): torch could not

@@ -37,6 +37,11 @@ class EntryChecks:
         else:
             self._partial[key] = None
 
+    @property
+    def hashes(self) -> bool:
+        """Whether :meth:`failed` hashes entries natively (one more GIL hand-off)."""
+        return bool(self._spans)
+
     def failed(
         self, buffer: Any, read_checks: ReadChecks, paths: dict[str, Location | None]
     ) -> set[str]:
