@@ -179,10 +179,7 @@ class BatchBuilder:
 
     def _note_keys(self, keys: list[str]) -> None:
         """:meth:`_note_needed` of shards of one object each, by key."""
-        with self._needed_lock:
-            before = len(self._needed)
-            self._needed.update(keys)
-            self.stats.count("objects_needed", len(self._needed) - before)
+        self._count_needed([keys])
 
     def _note_needed(self, shards: Iterable[int]) -> None:
         """Counts each object a batch reads (each range, for shards staged as ranges) once,
@@ -194,6 +191,9 @@ class BatchBuilder:
         for shard in shards:
             spans = self.ahead.ranges_of(shard)
             needed.append(self.dataset.shard_keys[shard] if spans is None else spans)
+        self._count_needed(needed)
+
+    def _count_needed(self, needed: Sequence[Sequence[str | Range]]) -> None:
         with self._needed_lock:
             recent, new, batch = self._needed, 0, sum(map(len, needed))
             for keys in needed:
