@@ -120,7 +120,7 @@ class StagingProcess:
                     self._process, self._ready = self._start(), False
                 return False
             assert process.stdout is not None
-            if not self._ready and select.select([process.stdout], [], [], 0)[0]:
+            if not self._ready and _readable(process.stdout):
                 self._ready = receive(process.stdout) == ("ready",)
             return self._ready
         finally:
@@ -271,3 +271,11 @@ def close_all() -> None:
         mine = [p for (pid, *_), p in _processes.items() if pid == os.getpid()]
     for process in mine:  # a process mid-round would finish it first: exit promptly
         process.close(wait_s=1.0)
+
+
+def _readable(pipe: Any) -> bool:
+    """Whether a message waits on pipe, without waiting. poll, not select: select refuses
+    a descriptor past 1023, and a training process may hold that many open files."""
+    poller = select.poll()
+    poller.register(pipe, select.POLLIN | select.POLLHUP)
+    return bool(poller.poll(0))
