@@ -273,3 +273,31 @@ def test_a_process_started_ahead_says_when_it_is_ready_and_then_stages(
     results = store.stager.stage(store.objects(keys))
     assert {r.outcome for r in results} == {"fetched"}
     assert set(staging_children()) - before == {child}  # the same process did the round
+
+
+def test_readiness_is_read_on_a_descriptor_past_1023(served: Remote, tmp_path: Path) -> None:
+    """A training process may hold over a thousand open files: the staging process's pipe
+    then gets a descriptor select() refuses (CI's pytest process reached it)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"the open-file limit ({soft}) is below the descriptors this needs")
+    filler = []
+    try:
+        while not filler or filler[-1] < 1100:  # the pipes opened next get higher numbers
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        store = open_store(served, tmp_path / "cache")
+        keys = store.object_keys()
+        process = stage_process.for_stager(
+            store.stager.fs, store.stager.root, store.cache.config, store.config.fetch
+        )
+        deadline = time.monotonic() + 120
+        while not process.ready():
+            assert time.monotonic() < deadline, "the staging process never said it was ready"
+            time.sleep(0.05)
+        results = store.stager.stage(store.objects(keys))
+        assert {r.outcome for r in results} == {"fetched"}
+    finally:
+        for fd in filler:
+            os.close(fd)
