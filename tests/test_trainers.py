@@ -227,6 +227,10 @@ def _rank_main(argv: list[str]) -> None:
         rest, _ = accelerate_run(a.folder, cache, checkpoint, resume=True)
     result = {"expected": expected, "first": first, "rest": rest}
     a.out.write_text(json.dumps(result))
+    # As the other gloo rank scripts do: a group left to the interpreter's teardown aborted
+    # a rank after its result was written ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
