@@ -264,11 +264,7 @@ class Cache:
         out: list[Location | None] = []
         for oid, version, size in zip(oids, versions, sizes, strict=True):
             at = found.get(oid)
-            if (
-                at is None
-                or (version is not None and at.version != version)
-                or (size is not None and at.size != size)
-            ):
+            if at is None or not at.holds(version, size):
                 out.append(None)
             else:
                 checksum = checksum_value(at.checksum)

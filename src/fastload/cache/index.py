@@ -107,6 +107,11 @@ class Placement(NamedTuple):
     position: int
     checksum: str
 
+    def holds(self, version: str | None, size: int | None) -> bool:
+        """Whether this is the entry of that version and size (None: any); a stale one
+        is not found, and the caller's fallback fetches it again."""
+        return (version is None or self.version == version) and (size is None or self.size == size)
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:

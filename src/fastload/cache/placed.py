@@ -43,11 +43,7 @@ def placed_columns(
     sums: list[str | None] = []
     for oid, version, size in zip(oids, versions, sizes, strict=True):
         at = found_rows.get(oid)
-        if (
-            at is None
-            or (version is not None and at.version != version)
-            or (size is not None and at.size != size)
-        ):
+        if at is None or not at.holds(version, size):
             file_ids.append(-1)
             offsets.append(0)
             sums.append(None)
