@@ -12,16 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# A race between look-ahead staging and a batch's own fetch sometimes fetches an object twice
-# in an epoch (1 run in ~3 at the end of the session that added these): open in #31.
-pytestmark = pytest.mark.xfail(strict=False, reason="staging/batch race, see above")
-
 import fastload as fl
 from fastload.cache import Cache
 from fastload.datasets.base import ShardedDataset
 from fastload.loader.lookahead import LOOKAHEAD_BUDGET_SHARE, lookahead_within_budget
 from fastload.loader.staging_ahead import repeat_filter_size
 from fastload.testing import RangeHTTPServer
+
+# A race between look-ahead staging and a batch's own fetch sometimes fetches an object twice
+# in an epoch (1 run in ~3 at the end of the session that added these): open in #31.
+pytestmark = pytest.mark.xfail(strict=False, reason="staging/batch race, see above")
 
 OBJECTS = 120
 
