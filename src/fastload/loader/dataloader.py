@@ -40,6 +40,7 @@ from fastload.decode import choose_backend, make_decoder
 from fastload.decode.base import Decoder
 from fastload.errors import DatasetMismatchError
 from fastload.loader import autotune as tuning
+from fastload.loader import prefetch_memory
 from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.device_decode import dali_options, decodes_into_slots
@@ -247,6 +248,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._fast_forward = 0  # batches an IterableDataset replays after a resume
         self._agreed = False  # whether the ranks agreed on the dataset (loader/agreement.py)
         self._stats = LoaderStats()
+        self._batch_bytes_seen = 0  # the largest first batch of a pass (prefetch_memory)
         self._decoder: Decoder | None = None
         self._builder: BatchBuilder | None = None
         self._ring: Any = None
@@ -490,9 +492,33 @@ class DataLoader(tud.DataLoader[Any]):
         """Batches loaded ahead of the training step. Each holds a ring slot until taken, so
         the ring's depth bounds it (a deeper prefetch would wait on the ring forever)."""
         depth = self.prefetch_batches or (self.prefetch_factor or 2) * max(1, self.num_workers)
+        if self.prefetch_batches is None:  # the default depth fits the container's memory
+            depth = prefetch_memory.bounded_depth(depth, self._batch_bytes())
         if self.ring_slots is not None and self._moves_to_device():
             depth = min(depth, self.ring_slots)
         return depth
+
+    def _batch_bytes(self) -> int:
+        """A batch's host bytes: the largest a pass's first batch held, else the estimate
+        (batches a decoder leaves on the GPU hold their encoded bytes on the host)."""
+        if self._batch_bytes_seen or not isinstance(self.dataset, ShardedDataset):
+            return self._batch_bytes_seen
+        on_host = self._decoder is None or self._decoder.config.device == "cpu"
+        transform = self.transform if self.decode is not None and on_host else None
+        return prefetch_memory.estimated_batch_bytes(
+            transform, self.batch_size or 1, self._bytes_per_sample()
+        )
+
+    def _weigh(self, batch: Any, source: Iterator[Any]) -> None:
+        """A pass's first batch says what a batch holds: where the default depth is more
+        than such batches fit in the memory share, the running pass goes shallower too."""
+        if self.prefetch_batches is not None or prefetch_memory.memory_share_bytes() is None:
+            return
+        nbytes = prefetch_memory.batch_nbytes(batch)
+        if nbytes > self._batch_bytes_seen:
+            self._batch_bytes_seen = nbytes
+            if isinstance(source, Pipeline):
+                source.limit_prefetch(self._prefetch_depth())
 
     def _device_ring(self) -> Any:
         if self._ring is None:
@@ -723,6 +749,12 @@ class DataLoader(tud.DataLoader[Any]):
         snapshot["device"] = None if self.device is None else str(self.device)
         snapshot["decode"] = self.decode
         snapshot["resources"] = resources().as_dict()  # the CPUs and memory the defaults read
+        if self._fast:
+            snapshot["prefetch"] = {
+                "batches": self._prefetch_depth(),
+                "batch_bytes": self._batch_bytes(),
+                "memory_share_bytes": prefetch_memory.memory_share_bytes(),
+            }
         if self._ring is not None:
             snapshot["ring"] = self._ring.stats()
         if self._builder is not None and self._builder.holds:
@@ -832,6 +864,8 @@ class _Iteration:
         batch = self._loader._deliver(batch)
         self.batches += 1
         self.samples += samples
+        if self.batches == 1:
+            self._loader._weigh(batch, self._source)
         self._loader._delivered(self)
         done = time.perf_counter()
         self._stats.add("wait", done - now)
