@@ -50,7 +50,7 @@ from fastload.loader.preemption import PreemptionHandler
 from fastload.loader.resume import ResumableIndex, replaying, rng_state, set_rng_state
 from fastload.loader.stats import LoaderStats
 from fastload.manifest import save_snapshot
-from fastload.plan import ResumeState
+from fastload.plan import ResumeState, num_batches
 from fastload.remote import public_url
 from fastload.resources import memory_share, resources
 from fastload.sampler import ShardedSampler
@@ -303,6 +303,18 @@ class DataLoader(tud.DataLoader[Any]):
         set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_sampler_epoch):
             set_sampler_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Batches in an epoch (samples without batching), a resumed epoch included: the
+        whole epoch's count, as torch's loader and torchdata's ``StatefulDataLoader`` give
+        after ``load_state_dict``. Trainers count a resumed epoch's batches on from the
+        checkpoint's up to ``len()`` (Lightning does), so the rest would end it early."""
+        plan: ShardedSampler | None = self.__dict__.get("_plan_sampler")
+        if plan is None:
+            return super().__len__()
+        if self.batch_size is None:
+            return plan.num_samples
+        return num_batches(plan.num_samples, self.batch_size, drop_last=self.drop_last)
 
     def _finished(self, iteration: _Iteration) -> None:
         if iteration.start is self._last_start:
