@@ -22,11 +22,12 @@ starts where the tuning ended.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from fastload.resources import usable_cpus
 
 log = logging.getLogger("fastload.autotune")
 
@@ -57,7 +58,7 @@ class Bounds:
                 f"autotune takes True or a dict of {sorted(cls.__dataclass_fields__)}; "
                 f"got {sorted(unknown)}"
             )
-        given.setdefault("max_workers", _cores())
+        given.setdefault("max_workers", usable_cpus())  # the container's
         bounds = cls(**given)
         if bounds.max_workers < 1 or bounds.max_prefetch < 1 or bounds.window_batches < 1:
             raise ValueError("autotune's max_workers, max_prefetch and window_batches are >= 1")
@@ -248,12 +249,6 @@ class Autotuner:
 
 def _label(k: Knobs) -> str:
     return ", ".join(f"{name}={value}" for name, value in asdict(k).items())
-
-
-def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 def make(setting: bool | Mapping[str, Any], loader: Any) -> Autotuner | None:

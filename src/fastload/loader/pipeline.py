@@ -120,6 +120,13 @@ class Pipeline:
             self._cv.notify_all()
             self._start_workers()
 
+    def limit_prefetch(self, prefetch: int) -> None:
+        """Loads at most ``prefetch`` batches ahead from now on (never more than before):
+        batches that weigh more than expected must not fill the memory. Those already
+        loaded stay; no new one starts until the consumer is within the new depth."""
+        with self._cv:
+            self._prefetch = max(1, min(self._prefetch, prefetch))
+
     def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
         def run() -> None:
             lower_thread_priority(self._nice)

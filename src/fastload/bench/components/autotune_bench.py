@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastload.resources import usable_cpus
+
 STEPS = ("sleep", "gil")
 PREFETCH = (1, 2, 8)
 
@@ -68,7 +70,7 @@ def run(out_dir: str | os.PathLike[str], config: AutotuneBenchConfig) -> dict[st
     cache = out / "data" / "autotune-cache"
     shutil.rmtree(cache, ignore_errors=True)
     assert fl.warm(str(data.folder), cache_dir=str(cache), progress=False).ok
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cpus()
     step_s = config.step_ms / 1000
     records: dict[str, Any] = {"cores": cores, "load1_start": os.getloadavg()[0]}
     moves: list[str] = []
