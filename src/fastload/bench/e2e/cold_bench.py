@@ -101,8 +101,7 @@ def _boosting_python(work: Path) -> str:
     """A script that runs this Python with its session weighted as nice -20."""
     script = work / "boosted-python"
     script.write_text(
-        "#!/bin/sh\necho -20 > /proc/self/autogroup 2>/dev/null\n"
-        f'exec {sys.executable} "$@"\n'
+        f'#!/bin/sh\necho -20 > /proc/self/autogroup 2>/dev/null\nexec {sys.executable} "$@"\n'
     )
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return str(script)
