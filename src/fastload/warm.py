@@ -89,14 +89,14 @@ class NodeShare:
         accesses: list[str] = []
         named: dict[int, list[str]] = {}  # a ranged shard's entries (it recurs by epoch)
         for shard in map(int, future.accesses()):
-            entries = named.get(shard) or _entries(dataset, shard, whole)
+            entries = named.get(shard) or shard_entries(dataset, shard, whole)
             if ranged:
                 named[shard] = entries
             accesses += entries
         return Staging(keys=keys, ranges=ranges, accesses=accesses)
 
 
-def _entries(dataset: ShardedDataset, shard: int, whole: set[str]) -> list[str]:
+def shard_entries(dataset: ShardedDataset, shard: int, whole: set[str]) -> list[str]:
     """The cache entries reading shard reads: its objects, or its byte ranges (their
     objects where those are staged whole)."""
     store = dataset.store

@@ -75,13 +75,17 @@ def checksum_file(path: Path | str, offset: int = 0, size: int | None = None) ->
 class PlanHint:
     """A future access order (object URLs); ``next_use`` says when each is needed next."""
 
-    def __init__(self, order: Sequence[str]) -> None:
+    def __init__(self, order: Sequence[str], *, current: int | None = None) -> None:
+        """``current``: how many of order's first entries the reader is reading now (a
+        loader's pass; the rest is the next epoch): a use never moves the position past
+        them (a late read of an earlier batch must not jump the plan a pass ahead)."""
         self._positions: dict[str, list[int]] = {}
         self.order_ids = [object_id(url) for url in order]  # the entry id at each position
         for i, oid in enumerate(self.order_ids):
             self._positions.setdefault(oid, []).append(i)
         self.position = 0
         self.length = len(order)
+        self.current = self.length if current is None else current
 
     def next_use(self, oid: str) -> float:
         positions = self._positions.get(oid)
@@ -93,7 +97,7 @@ class PlanHint:
     def advance(self, oid: str) -> None:
         """The consumer has reached the next use of oid."""
         nxt = self.next_use(oid)
-        if nxt != float("inf"):
+        if nxt < self.current:
             self.position = int(nxt) + 1
 
 

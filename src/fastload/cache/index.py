@@ -523,11 +523,14 @@ class Index:
                     self.write_uses(db)
 
     def write_uses(self, db: sqlite3.Connection) -> None:
-        """Writes the buffered uses inside the caller's transaction."""
+        """Writes the buffered uses inside the caller's transaction. A use never makes an
+        entry look older: one buffered here before another process fetched the entry again
+        (evicted meanwhile) would have set the new copy's recency back to the old read, and
+        lru then evicted it before the batch it was staged for read it (fetched twice)."""
         with self.lock:
             recent, self._recent = self._recent, {}
         uses = [(t, o) for o, t in recent.items()]
-        db.executemany("UPDATE objects SET last_use = ? WHERE id = ?", uses)
+        db.executemany("UPDATE objects SET last_use = MAX(last_use, ?) WHERE id = ?", uses)
         db.executemany(
             "UPDATE segments SET last_use = MAX(last_use, ?)"
             " WHERE id = (SELECT segment FROM objects WHERE id = ?)",

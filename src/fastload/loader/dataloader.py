@@ -372,7 +372,7 @@ class DataLoader(tud.DataLoader[Any]):
         with self._resumable.resuming(batches_before, index_replay):
             items = iter(self._resumable)
         builder = self._batch_builder()
-        builder.new_pass()
+        builder.new_pass(self._plan_sampler)
         epoch = self._epoch
         batched = self._auto_collation
         workers = self.num_workers
