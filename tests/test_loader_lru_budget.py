@@ -66,9 +66,11 @@ def test_the_look_ahead_is_cut_to_a_share_of_an_evicting_budget_only() -> None:
     assert lookahead_within_budget(100, 1000, "lru") == 100
 
 
-def test_lru_counts_a_batch_lookup_as_a_use(tmp_path: Path) -> None:
-    """The loader finds a batch's objects with lookup_many, then reads them: eviction in
-    the meantime must not pick them (nor order by fetch time alone)."""
+@pytest.mark.parametrize("lookup", ["lookup_many", "placed"])
+def test_lru_counts_a_batch_lookup_as_a_use(tmp_path: Path, lookup: str) -> None:
+    """The loader finds a batch's objects with lookup_many (or, read as columns, with
+    placed), then reads them: eviction in the meantime must not pick them (nor order by
+    fetch time alone)."""
     with Cache(tmp_path, max_bytes=300, policy="lru") as cache:
         for name in "abc":
             lock = cache.fetch_lock(f"s3://b/{name}")
@@ -76,7 +78,10 @@ def test_lru_counts_a_batch_lookup_as_a_use(tmp_path: Path) -> None:
             part.write(b"x" * 100)
             cache.publish(part, version="v1")
             lock.release()
-        assert cache.lookup_many(["s3://b/a"], ["v1"], [100])[0] is not None
+        if lookup == "placed":
+            assert cache.placed(["s3://b/a"], ["v1"], [100]).found.all()
+        else:
+            assert cache.lookup_many(["s3://b/a"], ["v1"], [100])[0] is not None
         lock = cache.fetch_lock("s3://b/d")
         part = cache.new_part("s3://b/d")
         part.write(b"x" * 100)

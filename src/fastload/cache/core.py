@@ -283,7 +283,11 @@ class Cache:
     ) -> Placed:
         """:meth:`lookup_many` as columns (``fastload.cache.placed``): a loader's batch."""
         oids = [object_id(u) for u in urls]
-        return placed_columns(self.storage, oids, self.index.placements_of(oids), versions, sizes)
+        placed = placed_columns(self.storage, oids, self.index.placements_of(oids), versions, sizes)
+        # Uses, as lookup_many's: a batch read as columns must not leave lru first-in first-out.
+        hits = [oid for oid, hit in zip(oids, placed.found, strict=True) if hit]
+        self.index.note_uses_buffered(hits)
+        return placed
 
     @contextlib.contextmanager
     def use(
