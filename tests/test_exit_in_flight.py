@@ -130,7 +130,7 @@ def test_a_native_read_in_flight_at_exit_ends_the_process_cleanly(tmp_path: Path
     data = tmp_path / "data.bin"
     with open(data, "wb") as f:  # sparse: read fast from the page cache, stored as nothing
         f.truncate(64 << 20)
-    _run_all([(NATIVE, ["read", str(data)])] * 4, tmp_path)
+    _run_all([(NATIVE, ["read", str(data)])] * 2, tmp_path)
 
 
 @pytest.mark.skipif(not native_jpeg_available(), reason="the native JPEG transform is not built")
@@ -142,7 +142,7 @@ def test_a_native_jpeg_transform_in_flight_at_exit_ends_the_process_cleanly(
     Image.fromarray(pixels).save(encoded, format="JPEG", quality=90)
     image = tmp_path / "big.jpg"
     image.write_bytes(encoded.getvalue())
-    _run_all([(NATIVE, ["jpeg", str(image)])] * 4, tmp_path)
+    _run_all([(NATIVE, ["jpeg", str(image)])] * 2, tmp_path)
 
 
 @pytest.mark.slow
