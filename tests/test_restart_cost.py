@@ -13,6 +13,7 @@ import pytest
 
 import fastload as fl
 from fastload import plan as plan_module
+from fastload.datasets import folder
 from fastload.manifest import manifest_path
 from fastload.plan import Plan
 from fastload.warm import warm_from_state
@@ -102,3 +103,26 @@ def test_a_snapshot_installed_on_an_empty_node_is_checked_and_sealed(tmp_path: P
     assert warm_from_state(state, cache_dir=str(tmp_path / "node-b"), progress=False).ok
     assert installed.read_bytes() == good
     assert not installed.stat().st_mode & 0o222  # sealed: every process maps it
+
+
+def test_an_empty_node_gets_the_dataset_layout_with_the_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data"
+    for i in range(12):
+        (data / f"class{i % 3}").mkdir(parents=True, exist_ok=True)
+        (data / f"class{i % 3}" / f"{i:02d}.jpg").write_bytes(bytes([i]) * 50)
+    ds = fl.open_dataset(str(data), format="imagefolder", cache_dir=str(tmp_path / "node-a"))
+    loader = fl.DataLoader(ds, batch_size=4, on_preempt=tmp_path / "ckpt" / "loader.json")
+    loader._preemption.write()  # type: ignore[union-attr]  # as SIGTERM would
+    loader.close()
+
+    def made_again(*args: object) -> None:
+        raise AssertionError("the layout was made again from the listing")
+
+    monkeypatch.setattr(folder, "_layout", made_again)
+    state = tmp_path / "ckpt" / "loader.json"
+    assert warm_from_state(state, cache_dir=str(tmp_path / "node-b"), progress=False).ok
+    again = fl.open_dataset(str(data), format="imagefolder", cache_dir=str(tmp_path / "node-b"))
+    assert again.classes == ds.classes
+    assert [again.target(i) for i in range(len(again))] == [ds.target(i) for i in range(len(ds))]

@@ -27,6 +27,7 @@ import codecs
 import ctypes
 import errno
 import fcntl
+import glob
 import hashlib
 import io
 import itertools
@@ -686,6 +687,8 @@ def save_snapshot(manifest: Manifest, directory: Path) -> dict[str, str]:
     record = directory / f".manifest-{manifest.fingerprint[:32]}.json"
     saved = _saved_snapshot(record, manifest.url)
     if saved is not None:
+        if manifest.path is not None:
+            _copy_derived(manifest.path, directory / saved["file"])
         return saved
     staged = directory / f".manifest.{os.getpid()}.{secrets.token_hex(6)}.tmp.flm"
     try:
@@ -710,7 +713,20 @@ def save_snapshot(manifest: Manifest, directory: Path) -> dict[str, str]:
     entry = {"file": name, "sha256": digest}
     record_text = json.dumps({**entry, "url": manifest.url, "bytes": size})
     write_atomically(record, record_text.encode())
+    if manifest.path is not None:
+        _copy_derived(manifest.path, directory / name)
     return entry
+
+
+def _copy_derived(source: Path, target: Path) -> None:
+    """What :meth:`Manifest.derived` kept beside the manifest file source (a dataset's
+    layout: its classes and sample order, ~0.5 s to make again at 1.28 M images) copied
+    beside target, where missing there. Each file is checksummed: a damaged copy is made
+    again from the listing, never used."""
+    for made in source.parent.glob(f"{glob.escape(source.stem)}.*.npz"):
+        copy = target.with_name(target.stem + made.name[len(source.stem) :])
+        if not copy.exists():
+            write_atomically(copy, made.read_bytes())
 
 
 def _saved_snapshot(record: Path, url: str) -> dict[str, str] | None:
@@ -736,7 +752,8 @@ def install_snapshot(directory: Path, entry: dict[str, str], cache_dir: Path, ur
     listing of url in cache_dir, as if it had been listed there, unless the node holds a
     listing of its own already. One pass over the file: copied into the cache while its
     sha256 is checked, then checked as a manifest and sealed, so every process on the node
-    maps it (1.28 M objects: ~190 MB, which an unsealed copy would read into each)."""
+    maps it (1.28 M objects: ~190 MB, which an unsealed copy would read into each); the
+    dataset's layout saved with it comes along."""
     source = directory / str(entry["file"])
     path = manifest_path(cache_dir, url)
     if _load_saved(path, None, None) is not None:
@@ -759,6 +776,7 @@ def install_snapshot(directory: Path, entry: dict[str, str], cache_dir: Path, ur
         seal(staged)
         Manifest.load(staged)  # a whole, sound manifest, or ValueError naming it
         os.replace(staged, path)
+        _copy_derived(source, path)
     except FileNotFoundError as exc:
         if exc.filename != str(source):
             raise

@@ -225,8 +225,13 @@ def _start(work: Path, settings: dict[str, Any], name: str) -> subprocess.Popen[
         "log": str(work / f"{name}.log"),
         "spawned": time.time(),
     }
+    # As where fastload is installed: its bytecode cached, not compiled again at every start
+    # (~0.2 s of ~100 modules) because this environment says not to write it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     with open(work / f"{name}.err", "wb") as stderr:  # the child keeps its own copy
-        return subprocess.Popen([sys.executable, "-c", TRAIN, json.dumps(settings)], stderr=stderr)
+        return subprocess.Popen(
+            [sys.executable, "-c", TRAIN, json.dumps(settings)], stderr=stderr, env=env
+        )
 
 
 def _wait_clean(process: subprocess.Popen[bytes], work: Path, name: str, case: str) -> None:
