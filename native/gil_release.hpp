@@ -20,6 +20,7 @@ namespace fastload_py {
 namespace {  // one per bindings file: each module is a shared library of its own
 
 std::atomic<bool> exiting{false};
+std::thread::id exit_thread;  // the thread running the exit hooks: never parked; set first
 // Threads inside a call with the GIL released, and those of them between deciding to take
 // the GIL back and having it.
 std::atomic<int> released{0};
@@ -34,7 +35,7 @@ class GilRelease {
   GilRelease() : state_(PyEval_SaveThread()) { released.fetch_add(1); }
   ~GilRelease() {
     returning.fetch_add(1);
-    if (exiting.load()) {
+    if (exiting.load() && std::this_thread::get_id() != exit_thread) {
       returning.fetch_sub(1);
       park_forever();
     }
@@ -54,6 +55,7 @@ class GilRelease {
 // with sequentially consistent atomics, a thread either counted itself in `returning`
 // before this reads it, or reads `exiting` as true afterwards.
 void prepare_exit(int timeout_ms) {
+  exit_thread = std::this_thread::get_id();
   exiting.store(true);
   PyThreadState* state = PyEval_SaveThread();
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);

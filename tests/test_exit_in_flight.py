@@ -176,3 +176,21 @@ def test_at_exit_the_loader_waits_for_its_threads_to_finish_the_batch_in_hand() 
     threading.Timer(0.3, release.set).start()
     pipeline_module._stop_all_at_exit()
     assert not any(t.is_alive() for t in p._threads)
+
+
+@pytest.mark.skipif(not native_available(), reason="the native reader is not built")
+def test_the_thread_running_the_exit_hooks_is_never_parked(tmp_path: Path) -> None:
+    # A native call made by a later exit hook, on the thread that runs them, returns.
+    script = (
+        "import atexit\n"
+        "def late():\n"
+        "    from fastload import reader\n"
+        "    print(len(reader.aligned_empty(4096)))\n"
+        "atexit.register(late)\n"
+        "import fastload.reader\n"  # its exit hook registered after late's: it runs first
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [b"4096"]
