@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastload.cache import PlanHint, Policy, default_cache_dir, range_url
 from fastload.errors import RemoteError
-from fastload.manifest import install_snapshot, load_snapshot
+from fastload.manifest import install_snapshot
 from fastload.plan import DEFAULT_WINDOW_SHARDS, ResumeState
 from fastload.progress import Progress, ProgressBar
 from fastload.remote import is_transient, public_url, scrub
@@ -394,8 +394,12 @@ def warm_from_state(
     )
     url = str(dataset["url"])
     if "manifest" in dataset:
-        manifest = load_snapshot(path.parent, dataset["manifest"])
-        install_snapshot(manifest, Path(cache_dir) if cache_dir else default_cache_dir(), url)
+        install_snapshot(
+            path.parent,
+            dataset["manifest"],
+            Path(cache_dir) if cache_dir else default_cache_dir(),
+            url,
+        )
     return warm(
         url, cache_dir=cache_dir, storage_options=storage_options, share=share, **warm_options
     )
