@@ -9,8 +9,10 @@ next window's rate beats the last kept one by ``gain`` (hysteresis: noise does n
 move). A move that does not pay is undone and never tried again, so the settings only
 climb, each knob stops once, and the tuner never oscillates; it stops when every move is
 spent or when the step no longer waits (the loader keeps pace). Moves stay within the
-bounds: threads at most the cores (or ``max_workers``), and the bytes in flight (batches
-prefetched or in a thread's hands, and those staged ahead) within ``max_memory_bytes``.
+bounds: threads at most the cores (or ``max_workers``), the bytes in flight (batches
+prefetched or in a thread's hands, and those staged ahead) within ``max_memory_bytes``, and
+the batches prefetched, with the one the step holds, within ``max_prefetch_bytes`` (by default
+the container's share for them, as for the untuned depth: ``fastload.loader.prefetch_memory``).
 
 Only the schedule moves: batches, their order and their augmentations depend on the seed,
 the epoch and the sample, never on the threads, so a tuned job's batches are bitwise those
@@ -27,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from fastload.loader import prefetch_memory
 from fastload.resources import usable_cpus
 
 log = logging.getLogger("fastload.autotune")
@@ -44,6 +47,9 @@ class Bounds:
     max_prefetch: int = 32
     max_lookahead_bytes: int = 4 << 30
     max_memory_bytes: int | None = None  # batches in flight and bytes staged ahead
+    # Batches prefetched and the one the step holds (from_setting's default: the share of the
+    # cgroup's memory.max that the untuned depth fits, prefetch_memory; None: no limit).
+    max_prefetch_bytes: int | None = None
     window_batches: int = 8  # batches per measured window, at least
     window_s: float = 0.5  # seconds of the loop per window, at least
     gain: float = 1.05  # a move is kept where the rate improves by this factor
@@ -59,6 +65,7 @@ class Bounds:
                 f"got {sorted(unknown)}"
             )
         given.setdefault("max_workers", usable_cpus())  # the container's
+        given.setdefault("max_prefetch_bytes", prefetch_memory.memory_share_bytes())
         bounds = cls(**given)
         if bounds.max_workers < 1 or bounds.max_prefetch < 1 or bounds.window_batches < 1:
             raise ValueError("autotune's max_workers, max_prefetch and window_batches are >= 1")
@@ -266,6 +273,27 @@ def make(setting: bool | Mapping[str, Any], loader: Any) -> Autotuner | None:
     )
     batch = loader.batch_size or 1
     return Autotuner(bounds, knobs, batch_bytes=per_sample * batch, batch_size=batch)
+
+
+def fit_memory(tuner: Autotuner, batch_bytes: int, floor: int = 1) -> None:
+    """``max_prefetch_bytes`` for batches of ``batch_bytes`` (an estimate, then what a pass's
+    first batch held: it only grows): the deepest prefetch becomes the depth whose batches,
+    and the one the step holds, fit it (``prefetch_memory.depth_within``), never below
+    ``floor`` (a depth the user gave); knobs above it come down to it."""
+    b = tuner.bounds
+    deepest = max(
+        floor, prefetch_memory.depth_within(b.max_prefetch, batch_bytes, b.max_prefetch_bytes)
+    )
+    if deepest >= b.max_prefetch:
+        return
+    tuner.bounds = replace(b, max_prefetch=deepest)
+
+    def lowered(k: Knobs) -> Knobs:
+        return replace(k, prefetch_batches=min(k.prefetch_batches, deepest))
+
+    tuner.knobs = lowered(tuner.knobs)
+    if tuner.trial is not None:
+        tuner.trial = (tuner.trial[0], lowered(tuner.trial[1]))
 
 
 def resume(tuner: Autotuner, loader: Any, state: Mapping[str, Any]) -> None:
