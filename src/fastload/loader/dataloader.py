@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -252,6 +253,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._decoder: Decoder | None = None
         self._builder: BatchBuilder | None = None
         self._ring: Any = None
+        self._ring_lock = threading.Lock()  # loader threads make the ring on their first batch
         self._live: weakref.ref[_Iteration] | None = None
         self._closed = False
         self.step = 0  # batches delivered to the training loop so far, across epochs
@@ -567,12 +569,13 @@ class DataLoader(tud.DataLoader[Any]):
             self._ring.limit_slots(max(depth, deepest or depth) + 1)
 
     def _device_ring(self) -> Any:
-        if self._ring is None:
-            from fastload.loader.ring import DeviceRing
+        with self._ring_lock:  # one ring: two threads' first batches used to make two
+            if self._ring is None:
+                from fastload.loader.ring import DeviceRing
 
-            slots = self.ring_slots or self._prefetch_depth() + 1
-            self._ring = DeviceRing(self.device, slots=slots)  # type: ignore[arg-type]
-        return self._ring
+                slots = self.ring_slots or self._prefetch_depth() + 1
+                self._ring = DeviceRing(self.device, slots=slots)  # type: ignore[arg-type]
+            return self._ring
 
     def _put(self, batch: Any) -> Any:
         return _InTransfer(self._device_ring().put(batch))
