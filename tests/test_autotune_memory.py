@@ -69,9 +69,10 @@ def _loader(folder: Path, cache: Path, **kwargs: Any) -> fl.DataLoader:
 def _tune(
     monkeypatch: pytest.MonkeyPatch, loader: fl.DataLoader, deeper_than: int = 32
 ) -> list[tuple[int, int]]:
-    """Runs passes until the tuner settles (or its depth passes ``deeper_than``), on a clock where the step takes 0.1 s and waits
-    1/depth s for its batch (a deeper prefetch always pays; threads and look-ahead never do).
-    Returns, per batch, the tuner's depth and the running pass's."""
+    """Runs passes until the tuner settles (or its depth passes ``deeper_than``), on a clock
+    where the step takes 0.1 s and waits 1/depth s for its batch (a deeper prefetch always
+    pays; threads and look-ahead never do). Returns, per batch, the tuner's depth and the
+    running pass's."""
     real, clock, seen = tuning.follow, [0.0], []
 
     def on_the_clock(tuner: Any, ld: Any, source: Any, *args: Any) -> None:

@@ -164,9 +164,8 @@ def test_a_lowered_limit_frees_the_free_slots_now_and_busy_ones_once_copied() ->
     its copy completed; the batches after it go through the slots that stay, intact."""
     engine = HeldEngine()
     with DeviceRing("cpu", slots=4, engine=engine) as ring:
-        outs = []
-        for k in range(4):  # every slot carries a batch: each holds a batch's memory
-            outs.append(ring.get(ring.put({"images": images_for(k)})))
+        # Every slot carries a batch: each holds a batch's memory.
+        outs = [ring.get(ring.put({"images": images_for(k)})) for k in range(4)]
         engine.synchronize()
         held = ring.stats()["slot_bytes_held"]
         assert ring.stats()["slots"] == 4
