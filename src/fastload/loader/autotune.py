@@ -9,10 +9,8 @@ next window's rate beats the last kept one by ``gain`` (hysteresis: noise does n
 move). A move that does not pay is undone and never tried again, so the settings only
 climb, each knob stops once, and the tuner never oscillates; it stops when every move is
 spent or when the step no longer waits (the loader keeps pace). Moves stay within the
-bounds: threads at most the cores (or ``max_workers``), the bytes in flight (batches
-prefetched or in a thread's hands, and those staged ahead) within ``max_memory_bytes``, and
-the batches prefetched, with the one the step holds, within ``max_prefetch_bytes`` (by default
-the container's share for them, as for the untuned depth: ``fastload.loader.prefetch_memory``).
+bounds: threads at most the cores (or ``max_workers``), and the bytes in flight (batches
+prefetched or in a thread's hands, and those staged ahead) within ``max_memory_bytes``.
 
 Only the schedule moves: batches, their order and their augmentations depend on the seed,
 the epoch and the sample, never on the threads, so a tuned job's batches are bitwise those
