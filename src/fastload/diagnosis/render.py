@@ -314,7 +314,8 @@ def _ranks_lines(report: Report) -> list[str]:
     each = ", ".join(_rate(x) for x in ranks.measured_samples_per_s)
     return _wrap(
         f"{ranks.local_world_size} ranks on the node, a loader process each "
-        f"({ranks.cores_per_rank:g} cores a rank): predicted "
+        f"({ranks.cores_per_rank:g} core{'' if ranks.cores_per_rank == 1 else 's'} a rank): "
+        f"predicted "
         f"{_rate(ranks.predicted_samples_per_s)} samples/s per rank, measured {each} "
         f"({ranks.error * 100:+.1f}%; alone {_rate(ranks.alone_samples_per_s)}; the ranks "
         f"overlapped {_percent(ranks.overlap)} of the time)"
