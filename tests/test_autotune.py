@@ -287,3 +287,24 @@ def test_the_lookahead_is_tried_first_while_fetching_and_never_on_a_warm_cache()
     _drive(warm, rate, windows=200, noise=0.03)
     assert warm.converged
     assert all(c["setting"] != "lookahead_bytes" for c in warm.changes)
+
+
+def test_a_move_is_judged_on_more_than_one_window() -> None:
+    """A move's first window ran slow (the machine's noise), its second fast: judged on
+    both, the move that pays on the whole is kept, not undone on one window's luck."""
+    tuner = _tuner(gain=1.05)
+    tuner.new_pass()
+    now = 0.0
+    while not tuner.changes:
+        if tuner.trial is None:
+            step_s, wait_s = 0.010, 0.010  # the kept settings: 20 ms a batch
+        elif not tuner.trial_measured:
+            step_s, wait_s = 0.010, 0.014  # the move's first window: slower (24 ms)
+        else:
+            step_s, wait_s = 0.010, 0.002  # its second: much faster (12 ms)
+        asked = now + step_s
+        now = asked + wait_s
+        tuner.observe(asked, now)
+    assert tuner.changes[0]["setting"] == "num_workers"
+    assert tuner.changes[0]["kept"] is True
+    assert tuner.changes[0]["to"] == 2

@@ -3,10 +3,10 @@ look-ahead while the job runs, from the times it already measures.
 
 Each window of batches (at least ``window_batches`` and ``window_s`` of the training loop's
 time) gives a rate: batches over the loop's wall time (the step's time plus the wait for
-the next batch). From the settings it was given, the tuner tries one move at a time — a thread
-more, twice the prefetch depth, twice the look-ahead — and keeps it only where the next
-window's rate beats the kept settings' by ``gain`` (hysteresis: noise does not keep a move)
-*and* the step waited less for its batches: a loader setting can speed the loop only by
+the next batch). From the settings it was given, the tuner tries one move at a time — a
+thread more, twice the prefetch depth, twice the look-ahead — and keeps it only where the
+rate of its next ``trial_windows`` windows beats the kept settings' by ``gain``
+(hysteresis: noise does not keep a move) *and* the step waited less for its batches: a loader setting can speed the loop only by
 shortening that wait, so a window whose rate rose while the wait did not (the step itself
 ran faster: a quieter machine) is noise, not the move's doing. A thread costs what it takes
 from the step too (a step holding the GIL runs longer beside more threads): the rate
@@ -62,6 +62,7 @@ class Bounds:
     window_batches: int = 8  # batches per measured window, at least
     window_s: float = 0.5  # seconds of the loop per window, at least
     gain: float = 1.05  # a move is kept where the rate improves by this factor
+    trial_windows: int = 2  # windows a move is judged on (one window's rate is noisy)
     keeps_pace: float = KEEPS_PACE  # below this share of the loop waiting, tuning stops
 
     @classmethod
@@ -75,8 +76,11 @@ class Bounds:
             )
         given.setdefault("max_workers", _cores())
         bounds = cls(**given)
-        if bounds.max_workers < 1 or bounds.max_prefetch < 1 or bounds.window_batches < 1:
-            raise ValueError("autotune's max_workers, max_prefetch and window_batches are >= 1")
+        counts = (bounds.max_workers, bounds.max_prefetch, bounds.window_batches)
+        if min(counts) < 1 or bounds.trial_windows < 1:
+            raise ValueError(
+                "autotune's max_workers, max_prefetch, window_batches and trial_windows are >= 1"
+            )
         if bounds.gain < 1:
             raise ValueError(f"autotune's gain must be >= 1, got {bounds.gain}")
         return bounds
@@ -118,6 +122,7 @@ class _Window:
             out.batches += w.batches
             out.seconds += w.seconds
             out.waited += w.waited
+            out.fetched += w.fetched
         return out
 
 
@@ -134,6 +139,7 @@ class Autotuner:
     spent: set[str] = field(default_factory=set)  # moves that did not pay
     converged: bool = False
     trial: tuple[str, Knobs] | None = None  # (move, the knobs before it) while measured
+    trial_measured: list[_Window] = field(default_factory=list)  # its windows so far
     base: deque[_Window] = field(default_factory=lambda: deque(maxlen=BASE_WINDOWS))
     changes: list[dict[str, Any]] = field(default_factory=list)
     _window: _Window = field(default_factory=_Window)
@@ -182,8 +188,13 @@ class Autotuner:
 
     def _decide(self, w: _Window) -> Knobs | None:
         if self.trial is not None:
+            self.trial_measured.append(w)
+            if len(self.trial_measured) < self.bounds.trial_windows:
+                return None
             move, before = self.trial
             self.trial = None
+            w = _Window.total(self.trial_measured)
+            self.trial_measured = []
             base = _Window.total(self.base)
             kept = w.rate >= base.rate * self.bounds.gain and w.wait_s < base.wait_s
             self._record(move, before, self.knobs, base, w, kept)
@@ -321,6 +332,7 @@ class Autotuner:
         self.converged = bool(state.get("converged", False))
         self.changes = list(state.get("changes", ()))
         self.trial = None
+        self.trial_measured = []
         self.base.clear()
 
 
