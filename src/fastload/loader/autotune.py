@@ -6,21 +6,21 @@ time) gives a rate: batches over the loop's wall time (the step's time plus the 
 the next batch). From the settings it was given, the tuner tries one move at a time — a
 thread more, twice the prefetch depth, twice the look-ahead — and keeps it only where the
 rate of its next ``trial_windows`` windows beats the kept settings' by ``gain``
-(hysteresis: noise does not keep a move) *and* the step waited less for its batches: a loader setting can speed the loop only by
-shortening that wait, so a window whose rate rose while the wait did not (the step itself
-ran faster: a quieter machine) is noise, not the move's doing. A thread costs what it takes
-from the step too (a step holding the GIL runs longer beside more threads): the rate
-counts it. The kept settings' rate is the mean of their last windows, not one window. A
-thread more comes with the prefetch depth it needs (at least a batch per thread: a thread
-with no batch it may load waits idle). The look-ahead is tried only where a window fetched
-bytes from the remote (on a warm cache it can only add noise and memory), and first there:
-a step waiting on the remote waits for staging, which threads do not speed. A move that
-does not pay is undone and never tried
+(hysteresis: noise does not keep a move) *and* the step waited less for its batches: a
+loader setting can speed the loop only by shortening that wait, so windows whose rate rose
+while the wait did not (the step itself ran faster: a quieter machine) are noise, not the
+move's doing. A thread costs what it takes from the step too (a step holding the GIL runs
+longer beside more threads): the rate counts it. The kept settings' rate is the mean of
+their last windows, not one window. A thread more comes with the prefetch depth it needs
+(at least a batch per thread: a thread with no batch it may load waits idle). The
+look-ahead is tried only where a window fetched bytes from the remote (on a warm cache it can
+only add noise and memory), and first there: a step waiting on the remote waits for
+staging, which threads do not speed. A move that does not pay is undone and never tried
 again, so the settings only climb, each knob stops once, and the tuner never oscillates; it
 stops when every move is spent or when the step no longer waits (the loader keeps pace).
-Moves stay within the bounds: threads at most the cores (or ``max_workers``), and the
-bytes in flight (batches prefetched or in a thread's hands, decoded and encoded, and those
-staged ahead) within ``max_memory_bytes``.
+Moves stay within the bounds: threads at most the cores (or ``max_workers``), and the bytes
+in flight (batches prefetched or in a thread's hands, decoded and encoded, and those staged
+ahead) within ``max_memory_bytes``.
 
 Only the schedule moves: batches, their order and their augmentations depend on the seed,
 the epoch and the sample, never on the threads, so a tuned job's batches are bitwise those
