@@ -196,19 +196,19 @@ def stability(records: list[dict[str, Any]]) -> dict[str, Any]:
     named: dict[str, list[str]] = {}
     for r in records:
         named.setdefault(r["name"], []).append(r["bottleneck"])
+    shares = {name: round(max(v.count(x) for x in v) / len(v), 3) for name, v in named.items()}
     per = {
         name: {
             "runs": len(v),
             "named": {x: v.count(x) for x in sorted(set(v))},
-            "identical": round(max(v.count(x) for x in v) / len(v), 3),
+            "identical": shares[name],
         }
         for name, v in named.items()
     }
-    shares = [p["identical"] for p in per.values()]
     return {
         "configurations": len(per),
-        "stable_9_of_10": sum(x >= 0.9 for x in shares),
-        "mean_identical": round(float(np.mean(shares)), 3) if shares else None,
+        "stable_9_of_10": sum(x >= 0.9 for x in shares.values()),
+        "mean_identical": round(float(np.mean(list(shares.values()))), 3) if shares else None,
         "per_configuration": per,
     }
 
