@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,12 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from proc_tree import alive, descendants
+from proc_tree import alive
 
 import fastload as fl
 from fastload.decode import TrainPreset
 
-FASTLOAD = str(Path(sys.executable).parent / "fastload")
 SAMPLES = 96
 BATCH = 8
 
@@ -96,41 +97,50 @@ def test_ranks_from_the_environment_are_predicted_not_started(
     assert report.ranks is None
 
 
+# A doctor that starts a rank process, lets its phase begin (a minute long: it would not end
+# by itself), then dies by SIGKILL, running no cleanup. Prints the rank process's pid first.
+DOCTOR_DIES = """
+import os, signal, sys, time
+import fastload as fl
+from fastload.decode import TrainPreset
+from fastload.diagnosis.node_ranks import RankJob, _Child
+
+folder, cache = sys.argv[1], sys.argv[2]
+dataset = fl.open_dataset(folder, cache_dir=cache)
+settings = {"batch_size": 8, "num_workers": 1, "decode": "cpu", "transform": TrainPreset(64)}
+job = RankJob(rank=0, world_size=2, local_rank=0, local_world_size=2, dataset=dataset,
+              indices=list(range(len(dataset))) * 50, settings=settings, step=("sleep", 0.5),
+              phase_s=60.0)
+child = _Child.start(job)
+assert child.expect("ready", time.monotonic() + 120)
+child.send(b"go\\n")
+print(child.process.pid, flush=True)
+time.sleep(1.0)  # its phase under way
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
 @pytest.mark.slow
-def test_the_rank_processes_die_with_the_doctor(jpegs: Path, tmp_path: Path) -> None:
-    """A doctor killed with SIGKILL runs no cleanup: its rank processes end anyway."""
-    args = [
-        FASTLOAD, "doctor", str(jpegs), "--cache-dir", str(tmp_path / "cache"),
-        "--local-world-size", "2", "--workers", "1", "--step-ms", "5", "--size", "64",
-        "--batch-size", str(BATCH), "--phase-s", "1", "--no-chart", "--json",
-        "--out", str(tmp_path / "out"),
-    ]  # fmt: skip
-    doctor = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_a_rank_process_dies_with_the_doctor(jpegs: Path, tmp_path: Path) -> None:
+    """Killed mid-phase with SIGKILL, the doctor runs no cleanup and its pipes say nothing
+    to a rank process busy measuring: the rank process ends anyway (it is tied to its
+    parent's life, staging.lifetime), long before its minute-long phase would."""
+    cache = str(tmp_path / "cache")
+    assert fl.warm(str(jpegs), cache_dir=cache, progress=False).ok
+    doctor = subprocess.run(
+        [sys.executable, "-c", DOCTOR_DIES, str(jpegs), cache],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert doctor.returncode == -9, doctor.stderr
+    rank = int(doctor.stdout.split()[0])
     try:
-        ranks = _rank_processes(doctor.pid, wait_s=600)
-        assert len(ranks) == 2
+        deadline = time.monotonic() + 20  # a third of its phase: it did not end by itself
+        while alive([rank]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive([rank]), "the rank process outlived the doctor"
     finally:
-        doctor.kill()
-        doctor.wait()
-    deadline = time.monotonic() + 10
-    while alive(ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(ranks)
-
-
-def _rank_processes(pid: int, *, wait_s: float) -> set[int]:
-    """The rank processes under ``pid``, once both run (the doctor's phases come first)."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        found = set()
-        for child in descendants(pid):
-            try:
-                cmd = Path(f"/proc/{child}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"fastload.diagnosis.rank_process" in cmd:
-                found.add(child)
-        if len(found) == 2:
-            return found
-        time.sleep(0.2)
-    raise AssertionError("the doctor did not start its rank processes")
+        if alive([rank]):
+            os.kill(rank, signal.SIGKILL)

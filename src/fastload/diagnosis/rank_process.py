@@ -15,8 +15,6 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from fastload.staging.lifetime import exit_with_parent
-
 
 def build_step(spec: tuple[Any, ...]) -> Any:
     """The step from its spec: ("sleep" | "gil", seconds), ("model", name, batch_size,
@@ -33,7 +31,8 @@ def build_step(spec: tuple[Any, ...]) -> Any:
 
 
 def main() -> int:
-    exit_with_parent()  # first: a parent killed now takes this process with it
+    # (Importing fastload, before this module ran, tied this process to the doctor's life:
+    # the doctor puts staging.lifetime's variable in its environment.)
     stdin = sys.stdin.buffer
     size = int(stdin.readline())
     job = pickle.loads(stdin.read(size))
