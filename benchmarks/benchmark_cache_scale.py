@@ -35,6 +35,7 @@ def main() -> None:
         config = dataclasses.replace(config, accesses=args.accesses)
     report = cache_scale_bench.run(Path(args.out) / "data" / "cache_scale", config)
     print(report.table())
+    print("\n".join(cache_scale_bench.target_lines(report)))
     print(f"wrote {report.write_json(args.out)}")
 
 

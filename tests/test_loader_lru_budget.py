@@ -46,6 +46,7 @@ def open_lru(server: RangeHTTPServer, files: dict[str, bytes], cache: Path) -> S
         format="files",
         cache_dir=str(cache),
         max_bytes=sum(map(len, files.values())) // 2,
+        budget_counts="entries",
         policy="lru",
     )
 
@@ -70,7 +71,7 @@ def test_the_look_ahead_is_cut_to_a_share_of_an_evicting_budget_only() -> None:
 def test_lru_counts_a_batch_lookup_as_a_use(tmp_path: Path) -> None:
     """The loader finds a batch's objects with lookup_many, then reads them: eviction in
     the meantime must not pick them (nor order by fetch time alone)."""
-    with Cache(tmp_path, max_bytes=300, policy="lru") as cache:
+    with Cache(tmp_path, max_bytes=300, budget_counts="entries", policy="lru") as cache:
         for name in "abc":
             lock = cache.fetch_lock(f"s3://b/{name}")
             part = cache.new_part(f"s3://b/{name}")

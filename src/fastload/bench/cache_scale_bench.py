@@ -3,8 +3,9 @@
 
 Per scale N and policy: an index of N synthetic entries (rows of ``ENTRY_BYTES`` each, the
 first N of a 2N-object dataset, written straight into SQLite: their files do not exist,
-so evicting one unlinks nothing) under a budget that holds exactly them, everything on
-disk counted (half the dataset). Then ``accesses`` accesses in a shuffled order of the 2N:
+so evicting one unlinks nothing) under a budget that holds exactly them and the metadata,
+everything on disk counted (half the dataset): every publish needs room, so eviction runs
+all along (``lru`` and ``plan`` must evict: a run that evicted nothing is an error). Then ``accesses`` accesses in a shuffled order of the 2N:
 a hit does what ``Cache.use`` does to the index (a use, the plan advanced), a miss
 publishes real bytes (``fetch_lock``, ``new_part``, ``publish``), so eviction makes room
 by policy. ``plan`` gets the next accesses as its plan. Figures:
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from fastload.bench.runner import Measurement, Report
 from fastload.cache import POLICIES, Cache, PlanHint, Policy, object_id
-from fastload.cache.budget import allocated_under, counts_disk
+from fastload.cache.budget import allocated_under
 
 ENTRY_BYTES = 8192  # more than a block, so 10k entries make a budget that counts the disk
 _PREFILL_BATCH = 50_000
@@ -63,6 +64,11 @@ class CacheScaleBenchConfig:
     @classmethod
     def quick(cls) -> CacheScaleBenchConfig:
         return cls(scales=(10_000, 100_000), accesses=5_000)
+
+    @classmethod
+    def components(cls, quick: bool) -> CacheScaleBenchConfig:
+        """Its part in ``fastload bench --components``: 10k entries when quick (seconds)."""
+        return cls(scales=(10_000,), accesses=2_000) if quick else cls.quick()
 
 
 def url_of(i: int) -> str:
@@ -109,9 +115,10 @@ def simulate(cache_dir: Path, policy: Policy, n: int, config: CacheScaleBenchCon
     rng = random.Random(config.seed)
     order = [url_of(i) for i in rng.sample(range(2 * n), min(config.accesses, 2 * n))]
     with Cache(cache_dir, segment_bytes=0) as probe:
-        max_bytes = probe.disk_bytes() + (4 << 20)  # N entries, the metadata and its growth
-    if not counts_disk(max_bytes):  # a toy size: the budget counts the entries only
-        max_bytes = n * ENTRY_BYTES
+        # N entries and the metadata with its reserves, no more: the first publish evicts.
+        # (A few MB of room more let the index's growth reserve absorb the publishes of a
+        # whole run at 1.28 M: it evicted nothing.)
+        max_bytes = probe.disk_bytes()
     result = Result(max_bytes=max_bytes)
     start = time.perf_counter()
     cache = Cache(cache_dir, max_bytes=max_bytes, policy=policy)
@@ -165,6 +172,11 @@ def simulate(cache_dir: Path, policy: Policy, n: int, config: CacheScaleBenchCon
         result.index_bytes = cache.index.file_bytes()
     finally:
         cache.close()
+    if policy != "pin" and result.publishes and not result.evicted:
+        raise RuntimeError(
+            f"cache_scale: {policy} at {n:,} entries published {result.publishes:,} objects "
+            f"over a full budget of {max_bytes:,} bytes and evicted none: no eviction measured"
+        )
     return result
 
 
@@ -212,3 +224,29 @@ def run(work_dir: str | os.PathLike[str], config: CacheScaleBenchConfig | None =
                 )
             )
     return report
+
+
+TARGET_US_PER_EVICTED = 50.0
+TARGET_GROWTH = 1.5  # CPU per evicted object at the largest scale over the smallest
+
+
+def target_lines(report: Report) -> list[str]:
+    """CPU per evicted object against issue #31's targets, per evicting policy."""
+    lines = []
+    for policy in ("lru", "plan"):
+        by_scale = {
+            int(r.case.split()[0].replace(",", "")): r.extra["CPU us/evicted"]
+            for r in report.rows
+            if r.system == policy and r.extra["evicted"]
+        }
+        if not by_scale:
+            continue
+        small, large = min(by_scale), max(by_scale)
+        us, growth = by_scale[large], by_scale[large] / max(by_scale[small], 1e-9)
+        met = us <= TARGET_US_PER_EVICTED and growth <= TARGET_GROWTH
+        lines.append(
+            f"target: {policy} CPU per evicted object at {large:,} entries {us:.1f} us "
+            f"(<= {TARGET_US_PER_EVICTED:.0f}), {growth:.2f}x its value at {small:,} "
+            f"(<= {TARGET_GROWTH}): {'met' if met else 'missed'}"
+        )
+    return lines
