@@ -52,7 +52,7 @@ _CHECKPOINT_WAIT_MS = 200  # how long a commit waits to reset a grown WAL (then:
 # counts it at (budget.py).
 WAL_START_MAX = WAL_RESERVE // 2
 _START_WAIT_MS = 1000  # per try to reset a WAL past WAL_START_MAX before a transaction
-_RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
+_RECENCY_FLUSH = 128  # uses buffered before they are written: ~3 pages each, within the WAL room
 _COLUMNS = "id, url, size, checksum, version, created, last_use, segment, position, start"
 
 _TABLES = """
