@@ -581,14 +581,16 @@ class Cache:
 
     def _overshoot(self, db: sqlite3.Connection, oid: str, size: int, max_bytes: int) -> int:
         """By how much publishing size bytes as oid would exceed max_bytes (<= 0: it fits)."""
-        old = Index.own_file_size(db, oid)
+        old, total, files = Index.budget_state(db, oid)  # asked on every publish: one query
         replacing = 0 if old is None else self._charge(old)
         added = self._charge(size) + budget.ROW_BYTES if self.counts_disk else size
-        return self._counted(db) - replacing + added - max_bytes
+        return self._count(total, files) - replacing + added - max_bytes
 
     def _counted(self, db: sqlite3.Connection) -> int:
         """:meth:`used_bytes` inside a transaction."""
-        total, files = Index.totals(db)
+        return self._count(*Index.totals(db))
+
+    def _count(self, total: int, files: int) -> int:
         if not self.counts_disk:
             return total
         return total + files * self._block + self.metadata.bytes()

@@ -405,12 +405,16 @@ class Index:
         return int(found["bytes"]), int(found["files"])
 
     @staticmethod
-    def own_file_size(db: sqlite3.Connection, oid: str) -> int | None:
-        """The size of oid's entry if it is an own file (None if absent or packed)."""
-        found = db.execute(
-            "SELECT size FROM objects WHERE id = ? AND segment IS NULL", (oid,)
+    def budget_state(db: sqlite3.Connection, oid: str) -> tuple[int | None, int, int]:
+        """(the size of oid's entry if it is an own file, else None; bytes; files) in one
+        query: a publish's budget check."""
+        size, nbytes, files = db.execute(
+            "SELECT (SELECT size FROM objects WHERE id = ? AND segment IS NULL),"
+            " (SELECT value FROM totals WHERE name = 'bytes'),"
+            " (SELECT value FROM totals WHERE name = 'files')",
+            (oid,),
         ).fetchone()
-        return None if found is None else int(found[0])
+        return (None if size is None else int(size)), int(nbytes), int(files)
 
     @staticmethod
     def add_to_total(db: sqlite3.Connection, nbytes: int, files: int = 0) -> None:
