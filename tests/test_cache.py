@@ -141,7 +141,9 @@ def test_budget_counts_whole_segments_and_is_never_exceeded(tmp_path: Path, poli
     """Packed entries are evicted a segment at a time; dead bytes in a segment still count."""
     rng = random.Random(1)
     urls = [f"s3://b/{i}" for i in range(200)]
-    with Cache(tmp_path, max_bytes=12_000, budget_counts="entries", policy=policy, segment_bytes=2000) as cache:
+    with Cache(
+        tmp_path, max_bytes=12_000, budget_counts="entries", policy=policy, segment_bytes=2000
+    ) as cache:
         cache.plan = PlanHint([rng.choice(urls) for _ in range(2000)])
         for _ in range(2000):
             url = rng.choice(urls)
@@ -381,7 +383,9 @@ def test_use_with_a_version_misses_on_another_version(tmp_path: Path) -> None:
 
 def test_small_entries_are_packed_into_segments_and_survive_reopening(tmp_path: Path) -> None:
     blobs = {f"s3://b/{i}": os.urandom(512) for i in range(1000)}
-    with Cache(tmp_path, budget_counts="entries") as cache:  # no budget: 64 MB segments, entries up to 1 MB packed
+    with Cache(
+        tmp_path, budget_counts="entries"
+    ) as cache:  # no budget: 64 MB segments, entries up to 1 MB packed
         for url, data in blobs.items():
             put(cache, url, data)
         assert cache.used_bytes() == 512_000 == bytes_on_disk(tmp_path)

@@ -80,7 +80,9 @@ def refetch_changed(cache: Cache, changed: list[int], *, compact: bool) -> int:
 def test_pin_admits_refetches_once_compaction_ran(tmp_path: Path, compact: bool) -> None:
     budget = pinned_cache(tmp_path)
     changed = random.Random(0).sample(range(N), N // 2)
-    with Cache(tmp_path, budget_counts="entries", max_bytes=budget, policy="pin", segment_bytes=SEGMENT) as cache:
+    with Cache(
+        tmp_path, budget_counts="entries", max_bytes=budget, policy="pin", segment_bytes=SEGMENT
+    ) as cache:
         cache.compaction_credit = -(10**12)  # no compaction while publishing: only compact()
         admitted = refetch_changed(cache, changed, compact=compact)
         assert cache.used_bytes() <= budget
@@ -94,7 +96,9 @@ def test_pin_admits_refetches_once_compaction_ran(tmp_path: Path, compact: bool)
 def test_pin_compacts_while_publishing_on_a_budget_of_io(tmp_path: Path) -> None:
     budget = pinned_cache(tmp_path)
     changed = random.Random(1).sample(range(N), N // 2)
-    with Cache(tmp_path, budget_counts="entries", max_bytes=budget, policy="pin", segment_bytes=SEGMENT) as cache:
+    with Cache(
+        tmp_path, budget_counts="entries", max_bytes=budget, policy="pin", segment_bytes=SEGMENT
+    ) as cache:
         admitted = refetch_changed(cache, changed, compact=False)
         assert admitted >= 0.95 * len(changed)
         assert cache.used_bytes() <= budget

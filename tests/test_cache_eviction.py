@@ -186,7 +186,11 @@ def test_a_publish_evicts_what_the_reference_evicts(
     order: list,
 ) -> None:
     with Cache(
-        tmp_path_factory.mktemp("c"), max_bytes=1500, budget_counts="entries", policy=policy, segment_bytes=segment_bytes
+        tmp_path_factory.mktemp("c"),
+        max_bytes=1500,
+        budget_counts="entries",
+        policy=policy,
+        segment_bytes=segment_bytes,
     ) as cache:  # type: ignore[arg-type]
         cache.plan = PlanHint(order)
         for op, url, size in trace:
@@ -245,7 +249,9 @@ def test_plan_victims_evicted_elsewhere_free_nothing_and_the_budget_still_holds(
     another process evicted since free nothing: the totals follow what the deletes
     removed, and eviction goes on to the next victims until the new entry fits."""
     urls = [f"s3://b/{i}" for i in range(10)]
-    with Cache(tmp_path, max_bytes=1000, budget_counts="entries", policy="plan", segment_bytes=0) as cache:
+    with Cache(
+        tmp_path, max_bytes=1000, budget_counts="entries", policy="plan", segment_bytes=0
+    ) as cache:
         cache.plan = PlanHint(["s3://b/a", "s3://b/b", *urls])  # a and b first, then 0..9
         for url in urls:
             assert put(cache, url, 100)

@@ -377,7 +377,9 @@ def test_cli_warm_json_report_then_cache_commands(tmp_path: Path) -> None:
         # evict's --max-bytes counts what the budget counts: everything on disk
         counted = json.loads(run_cli("cache", "du", "--cache-dir", cache_dir, "--json").stdout)
         keep = counted["bytes_on_disk"] - 100_000
-        evict = run_cli("cache", "evict", "--cache-dir", cache_dir, "--max-bytes", str(keep), "--json")
+        evict = run_cli(
+            "cache", "evict", "--cache-dir", cache_dir, "--max-bytes", str(keep), "--json"
+        )
         assert json.loads(evict.stdout)["evicted"] > 0
         assert json.loads(evict.stdout)["bytes"] <= keep
         clear = run_cli("cache", "clear", "--cache-dir", cache_dir, "--json")

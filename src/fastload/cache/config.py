@@ -48,9 +48,8 @@ class CacheConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.budget_counts not in BUDGET_COUNTS:
-            raise ValueError(
-                f"budget_counts must be one of {', '.join(BUDGET_COUNTS)}, got {self.budget_counts!r}"
-            )
+            choices = ", ".join(BUDGET_COUNTS)
+            raise ValueError(f"budget_counts must be one of {choices}, got {self.budget_counts!r}")
         if self.lock_timeout_s <= 0:
             raise ValueError(f"lock_timeout_s must be > 0, got {self.lock_timeout_s}")
         if self.segment_bytes is not None and self.segment_bytes < 0:
