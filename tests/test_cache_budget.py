@@ -230,7 +230,7 @@ def test_four_processes_publishing_small_entries_stay_within_the_budget_by_du(
         subprocess.Popen(
             [
                 sys.executable,
-                *("-c", _SMALL_PUBLISHER, str(tmp_path), str(w), str(BUDGET), "15000", "1000"),
+                *("-c", _SMALL_PUBLISHER, str(tmp_path), str(w), str(BUDGET), "10000", "1000"),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -257,4 +257,4 @@ def test_four_processes_publishing_small_entries_stay_within_the_budget_by_du(
     assert max(worst) <= 0, worst  # du -B1 <= max_bytes at every check
     assert largest_wal <= WAL_RESERVE, largest_wal
     with Cache(tmp_path, max_bytes=BUDGET) as cache:
-        assert len(cache.entries()) > 10_000  # the budget was full: 60,000 were published
+        assert len(cache.entries()) > 10_000  # the budget was full: 40,000 were published
