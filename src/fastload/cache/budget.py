@@ -72,6 +72,7 @@ class Metadata:
         self._at = 0.0
         self._since = 0  # entries published since the measurement
         self._index_reserved = 0  # what the index is counted at: its size and room to grow
+        self.parts = 0  # of the measurement, what tmp/ held: parts being fetched, transient
 
     def measure(self) -> int:
         """Everything under the directory but the entries' own files and segments."""
@@ -95,6 +96,9 @@ class Metadata:
                     total += sum(e.stat().st_blocks * 512 for e in os.scandir(path))
             elif name == "segments":
                 total += allocated(path)
+            elif name == "tmp":
+                self.parts = allocated_under(path) - allocated(path)
+                total += allocated(path) + self.parts
             elif path.is_dir():
                 total += allocated_under(path)
             else:
@@ -112,6 +116,10 @@ class Metadata:
 
     def published(self, entries: int) -> None:
         self._since += entries
+
+    def lasting(self) -> int:
+        """:meth:`bytes` but the parts being fetched: what a budget must hold for good."""
+        return self.bytes() - self.parts
 
 
 def too_small(directory: Path, max_bytes: int, metadata: int) -> CacheError:

@@ -178,8 +178,8 @@ class Cache:
         self.counts_disk = budget_counts == "disk"
         self._block = budget.block_size(self.dir) if self.counts_disk else 0
         self.metadata = budget.Metadata(self.dir)
-        if max_bytes is not None and self.counts_disk and self.metadata.bytes() >= max_bytes:
-            overhead = self.metadata.bytes()
+        overhead = self.metadata.lasting() if self.counts_disk else 0
+        if max_bytes is not None and self.counts_disk and overhead >= max_bytes:
             self.index.close()
             raise budget.too_small(self.dir, max_bytes, overhead)
         self._lock = self.index.lock  # serializes this process's writes
@@ -520,7 +520,8 @@ class Cache:
             return True
         if size + self._charge(0) > max_bytes:
             return False
-        if self.counts_disk and (overhead := self.metadata.bytes()) >= max_bytes:
+        # (parts being fetched, in tmp/, make eviction free more, but never refuse a budget)
+        if self.counts_disk and (overhead := self.metadata.lasting()) >= max_bytes:
             raise budget.too_small(self.dir, max_bytes, overhead)
         if self.config.policy == "pin":
             # Nothing cached is given up; space dead inside segments is won back instead.
