@@ -133,6 +133,24 @@ def test_a_budget_below_the_metadata_is_refused_naming_the_minimum(tmp_path: Pat
         assert cache.used_bytes() == cache.disk_bytes() > minimum
 
 
+def test_parts_being_fetched_never_make_a_budget_refused(tmp_path: Path) -> None:
+    """Parts in tmp/ are counted when measured (eviction makes room for them) but are
+    transient: a budget that holds the lasting metadata is not refused over them."""
+    with Cache(tmp_path) as probe:
+        lasting = probe.metadata.measure()
+    with Cache(tmp_path, max_bytes=lasting + (1 << 20)) as cache:
+        fetching = cache.new_part("s3://b/big")
+        fetching.write(os.urandom(2 << 20))  # more than the room the metadata leaves
+        cache.metadata.measure()
+        assert cache.metadata.bytes() > cache.config.max_bytes  # counted...
+        lock = cache.fetch_lock("s3://b/small")
+        part = cache.new_part("s3://b/small")
+        part.write(b"x" * 1000)
+        cache.publish(part, version="v1")  # ...but no "cannot hold the metadata" error
+        lock.release()
+        fetching.discard()
+
+
 def test_an_entries_budget_counts_the_entries_bytes_only(tmp_path: Path) -> None:
     with Cache(tmp_path, max_bytes=1000, budget_counts="entries", segment_bytes=0) as cache:
         for name in "abc":
