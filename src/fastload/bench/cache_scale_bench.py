@@ -8,7 +8,8 @@ everything on disk counted (half the dataset): every publish needs room, so evic
 all along (``lru`` and ``plan`` must evict: a run that evicted nothing is an error). Then
 ``accesses`` accesses in a shuffled order of the 2N: a hit does what ``Cache.use`` does to
 the index (a use, the plan advanced), a miss publishes real bytes (``fetch_lock``,
-``new_part``, ``publish``), so eviction makes room by policy. ``plan`` gets the next accesses as its plan. Figures:
+``new_part``, ``publish``), so eviction makes room by policy. ``plan`` gets the next
+accesses as its plan. Figures:
 
 - ``CPU us/publish``: ``time.process_time`` inside ``publish`` per publish (the eviction
   included);
