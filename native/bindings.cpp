@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checksum.hpp"
+#include "gil_release.hpp"
 #include "reader.hpp"
 
 namespace nb = nanobind;
@@ -108,7 +109,7 @@ Int64Array read_batch(fastload::Reader& reader, const nb::list& files, const nb:
 
   std::vector<std::int64_t> result;
   {
-    nb::gil_scoped_release release;
+    fastload_py::GilRelease release;
     result = reader.read(refs, requests);
   }
   auto* out = new std::int64_t[n == 0 ? 1 : n];
@@ -124,7 +125,7 @@ ByteArray aligned_empty(std::size_t nbytes, std::size_t alignment) {
                               .c_str());
   std::byte* ptr;
   {
-    nb::gil_scoped_release release;
+    fastload_py::GilRelease release;
     ptr = fastload::alloc_aligned(nbytes, alignment);
   }
   nb::capsule owner(ptr,
@@ -159,7 +160,7 @@ UInt64Array xxh3_spans(nb::handle data, const SpanTable& table) {
   }
   std::vector<std::uint64_t> sums;
   {
-    nb::gil_scoped_release release;
+    fastload_py::GilRelease release;
     sums = fastload::xxh3_spans(static_cast<const std::byte*>(view.buf), spans);
   }
   PyBuffer_Release(&view);
@@ -187,6 +188,10 @@ NB_MODULE(_native, m) {
   m.def("xxh3_spans", &xxh3_spans, "data"_a, "spans"_a,
         "XXH3-64 of data[offset:offset + length] for each row (offset, length) of spans, with\n"
         "the GIL released: the checksums the cache's index records, for a batch at once.");
+
+  m.def("prepare_exit", &fastload_py::prepare_exit, "timeout_ms"_a = 1000,
+        "At interpreter exit (an atexit hook): a call of this module that returns from here on\n"
+        "parks its thread instead of taking the GIL back while Python finalizes.");
 
   m.def("aligned_empty", &aligned_empty, "nbytes"_a, "alignment"_a = 4096,
         "An uninitialized uint8 numpy array whose data starts on an alignment boundary.");

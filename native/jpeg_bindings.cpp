@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "gil_release.hpp"
 #include "jpeg_transform.hpp"
 #include "thread_pool.hpp"
 
@@ -78,7 +79,7 @@ class JpegTransform {
     const std::size_t n = bytes.size();
     auto* out = new std::int32_t[n * 2 + 2];
     {
-      nb::gil_scoped_release release;
+      fastload_py::GilRelease release;
       pool_->parallel_for(n, [&](std::size_t i) {
         int h = -1, w = -1;
         if (!fastload::read_jpeg_size(bytes.data(i), bytes.length(i), h, w, nullptr)) h = w = -1;
@@ -115,7 +116,7 @@ class JpegTransform {
     auto box = boxes.view();
     float* base = out.data();
     {
-      nb::gil_scoped_release release;
+      fastload_py::GilRelease release;
       pool_->parallel_for(n, [&](std::size_t i) {
         thread_local fastload::Scratch scratch;  // reused from batch to batch
         const fastload::CropJob job{bytes.data(i), bytes.length(i), box(i, 0), box(i, 1),
@@ -145,6 +146,10 @@ NB_MODULE(_native_jpeg, m) {
   m.doc() =
       "fastload's JPEG batch transform: libjpeg-turbo decode, crop, resize, flip, "
       "normalize on a thread pool, one call per batch with the GIL released.";
+
+  m.def("prepare_exit", &fastload_py::prepare_exit, "timeout_ms"_a = 1000,
+        "At interpreter exit (an atexit hook): a call of this module that returns from here on\n"
+        "parks its thread instead of taking the GIL back while Python finalizes.");
 
   nb::class_<JpegTransform>(m, "JpegTransform")
       .def(nb::init<unsigned>(), "num_threads"_a,

@@ -1,8 +1,10 @@
 """What an installed fastload must do on a Python it supports, run by scripts/check-wheel in
 a fresh venv: import (no compiler, from the wheel), the native reader and the native JPEG
 transform loaded (libjpeg-turbo from the wheel's own copy), a warm of a generated folder, an
-epoch of the plan resumed mid-way, and, where torch is installed, one loader epoch with
-``state_dict()``/``load_state_dict()`` through the native decode.
+epoch of the plan resumed mid-way, and, where torch is installed (scripts/check-wheel installs
+it on every Python unless told not to), one ``fl.DataLoader`` epoch through the native decode
+with ``state_dict()`` mid-epoch and ``load_state_dict()`` into a new loader: the batches and
+their pixels are the uninterrupted epoch's, and ``len()`` is still the whole epoch's.
 
     python scripts/wheel-smoke.py      (prints one line per check; exits non-zero on a failure)
 """
@@ -76,7 +78,7 @@ def main() -> None:
         check(whole[10:] == rest, "an epoch of the plan resumed after 10 samples")
 
         if importlib.util.find_spec("torch") is None:
-            print("     (no torch here: the loader's epoch is checked where torch installs)")
+            print("     (no torch here (WHEEL_TORCH=no): the loader's epoch is not checked)")
             return
         from fastload.decode import TrainPreset
 
@@ -95,6 +97,7 @@ def main() -> None:
         state_dict = first.state_dict()
         second = loader()
         second.load_state_dict(state_dict)
+        check(len(second) == len(whole_batches), f"len() after the resume: {len(second)}")
         rest_batches = [images.clone() for images, _ in second]
         same = all(a.equal(b) for a, b in zip(taken + rest_batches, whole_batches, strict=True))
         check(same, f"a loader epoch ({len(whole_batches)} batches) resumed after 2, exact")

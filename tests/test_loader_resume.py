@@ -147,6 +147,29 @@ def test_resume_gives_the_uninterrupted_batches_and_pixels(
     check_resume(_decoding(dataset, saving), _decoding(dataset, resuming), [0, 1, 4, 8, 9])
 
 
+@pytest.mark.parametrize(("drop_last", "epoch"), [(False, 9), (True, 8)])
+def test_len_is_the_whole_epoch_after_a_resume(
+    source: Source, tmp_path: Path, drop_last: bool, epoch: int
+) -> None:
+    """As torch's loader and torchdata's StatefulDataLoader count after load_state_dict:
+    Lightning counts a resumed epoch's batches on from the checkpoint's up to len(), so a
+    len() of the rest would end the epoch early."""
+    dataset = _open(source, "folder", tmp_path)
+    make = _decoding(dataset, 2, drop_last=drop_last)
+    saving = make()
+    assert len(saving) == epoch
+    _, state = take(saving, 4)
+    saving.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert len(resumed) == epoch
+    iterator = iter(resumed)
+    assert len(iterator) == epoch
+    assert len(list(iterator)) == epoch - 4
+    assert len(resumed) == epoch  # the next epoch
+    resumed.close()
+
+
 def test_resume_in_a_later_epoch_continues_that_epoch_and_the_ones_after(
     source: Source, tmp_path: Path
 ) -> None:

@@ -206,3 +206,27 @@ def test_the_doctor_reports_the_container(tmp_path: Path) -> None:
     assert report["node"]["cores"] == 1
     assert report["node"]["resources"]["memory_limit_bytes"] == 2 << 30
     assert any("2,048 MiB" in note for note in report["notes"])
+
+
+# What a benchmark sizes its workers by, read in a process of its own.
+BENCH_PROBE = """
+import json
+from fastload.bench.gpu.config import GpuCheckConfig
+from fastload.bench.runner import machine_info
+from fastload.loader.autotune import Bounds
+print(json.dumps({
+    "gpu_check_threads": GpuCheckConfig().threads,
+    "usable_cores": machine_info()["usable_cores"],
+    "autotune_max_workers": Bounds.from_setting(True).max_workers,
+}))
+"""
+
+
+@needs_taskset
+def test_benchmarks_size_their_workers_to_what_the_container_gives(tmp_path: Path) -> None:
+    """A pod's benchmark runs as many threads as its quota or affinity allows, not the host's
+    cores: pinned to one CPU, or given one CPU of cgroup quota."""
+    one = {"gpu_check_threads": 1, "usable_cores": 1, "autotune_max_workers": 1}
+    assert probe(cpus="0", code=BENCH_PROBE) == one
+    quota = cgroup_v2(tmp_path / "pod", "100000 100000", "max")
+    assert probe(cgroup=quota, code=BENCH_PROBE) == one

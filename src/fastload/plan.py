@@ -72,7 +72,7 @@ function of ``(seed, epoch, window)`` alone, computed for all windows at once.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -636,6 +636,36 @@ class Plan:
         if not pieces:
             return np.empty(0, dtype=np.int64)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def rank_chunks(
+        self,
+        epoch: int,
+        *,
+        world_size: int,
+        rank: int,
+        resume: ResumeState | None = None,
+    ) -> Iterator[IndexArray]:
+        """``rank_order`` in pieces of about 65,536 samples (whole windows), each computed
+        when it is asked for: an epoch's first batches do not wait for the order of all of
+        it (1.28 M samples: ~0.1 s, and a list of them). Checked now, computed later."""
+        _check_world(world_size, rank)
+        layout = self._layout(self._resolve(epoch, resume), world_size)
+        order = self._order(epoch)
+
+        def pieces() -> Iterator[IndexArray]:
+            starts = order.window_starts
+            for r in layout.rank_runs(rank):
+                begin = r.start
+                while begin < r.stop:
+                    end = begin + _CHUNK_SAMPLES
+                    if order.shuffle:  # to the next window boundary: none computed twice
+                        at = int(np.searchsorted(starts, end, side="left"))
+                        end = int(starts[at]) if at < len(starts) else r.stop
+                    end = min(r.stop, end)
+                    yield order.take(begin, end)
+                    begin = end
+
+        return pieces()
 
     def future(
         self,

@@ -57,6 +57,11 @@ def _load_native() -> tuple[ModuleType | None, str]:
 
 
 _native, _native_status = _load_native()
+if _native is not None and hasattr(_native, "prepare_exit"):  # not on an older build
+    # Registered before any loader's exit hook, so it runs after them (atexit runs the last
+    # registered first): a read still in flight once the loader stopped waiting parks its
+    # thread rather than ending the process with std::terminate (native/gil_release.hpp).
+    atexit.register(_native.prepare_exit)
 
 
 def native_available() -> bool:

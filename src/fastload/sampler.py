@@ -228,7 +228,7 @@ class ShardedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         start = self.upcoming_state()
         self._pending = None
-        order = self.plan.rank_order(
+        chunks = self.plan.rank_chunks(
             self.epoch,
             world_size=self.world_size,
             rank=self.rank,
@@ -236,13 +236,14 @@ class ShardedSampler(Sampler[int]):
         )
         token = object()
         self._base, self._yielded, self._iteration = start, 0, token
-        return self._count(order.tolist(), token)
+        return self._count(chunks, token)
 
-    def _count(self, indices: list[int], token: object) -> Iterator[int]:
-        for index in indices:
-            if self._iteration is token:  # an abandoned iterator no longer moves the state
-                self._yielded += 1
-            yield index
+    def _count(self, chunks: Iterator[npt.NDArray[np.int64]], token: object) -> Iterator[int]:
+        for chunk in chunks:
+            for index in chunk.tolist():
+                if self._iteration is token:  # an abandoned iterator no longer moves the state
+                    self._yielded += 1
+                yield index
         if self._iteration is token:
             self._iteration = None
 

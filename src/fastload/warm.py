@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastload.cache import PlanHint, Policy, default_cache_dir, range_url
+from fastload.cache import BudgetCounts, PlanHint, Policy, default_cache_dir, range_url
 from fastload.errors import RemoteError
-from fastload.manifest import install_snapshot, load_snapshot
+from fastload.manifest import install_snapshot
 from fastload.plan import DEFAULT_WINDOW_SHARDS, ResumeState
 from fastload.progress import Progress, ProgressBar
 from fastload.remote import is_transient, public_url, scrub
@@ -89,14 +89,14 @@ class NodeShare:
         accesses: list[str] = []
         named: dict[int, list[str]] = {}  # a ranged shard's entries (it recurs by epoch)
         for shard in map(int, future.accesses()):
-            entries = named.get(shard) or _entries(dataset, shard, whole)
+            entries = named.get(shard) or shard_entries(dataset, shard, whole)
             if ranged:
                 named[shard] = entries
             accesses += entries
         return Staging(keys=keys, ranges=ranges, accesses=accesses)
 
 
-def _entries(dataset: ShardedDataset, shard: int, whole: set[str]) -> list[str]:
+def shard_entries(dataset: ShardedDataset, shard: int, whole: set[str]) -> list[str]:
     """The cache entries reading shard reads: its objects, or its byte ranges (their
     objects where those are staged whole)."""
     store = dataset.store
@@ -170,6 +170,7 @@ def warm(
     fetch: FetchConfig | None = None,
     share: NodeShare | None = None,
     format: str | None = None,
+    budget_counts: BudgetCounts = "disk",
 ) -> WarmReport:
     """Stages url's objects (or only ``keys``, in that order) into the cache.
 
@@ -189,7 +190,9 @@ def warm(
     Resumable: objects already cached (same version) are not fetched again. A permanent
     failure (not found, access refused, full disk) raises; transient failures that outlast
     their retries are counted in the report's ``failed`` and listed in ``failures``.
-    ``progress=None`` shows a bar when stderr is a terminal.
+    ``progress=None`` shows a bar when stderr is a terminal. ``max_bytes`` counts
+    everything the cache puts on disk (``budget_counts="entries"``: the entries' bytes
+    only, for tests and toys).
     """
     started = time.monotonic()
     if format is not None and (keys is not None or share is not None):
@@ -202,6 +205,7 @@ def warm(
         "storage_options": dict(storage_options or {}),
         "max_bytes": max_bytes,
         "policy": policy,
+        "budget_counts": budget_counts,
         "refresh": refresh,
         "ttl_s": ttl_s,
         "fetch": config,
@@ -394,8 +398,12 @@ def warm_from_state(
     )
     url = str(dataset["url"])
     if "manifest" in dataset:
-        manifest = load_snapshot(path.parent, dataset["manifest"])
-        install_snapshot(manifest, Path(cache_dir) if cache_dir else default_cache_dir(), url)
+        install_snapshot(
+            path.parent,
+            dataset["manifest"],
+            Path(cache_dir) if cache_dir else default_cache_dir(),
+            url,
+        )
     return warm(
         url, cache_dir=cache_dir, storage_options=storage_options, share=share, **warm_options
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fastload.diagnosis.steps import busy_loop
+from fastload.resources import usable_cpus
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,7 +283,7 @@ def machine_info(path: str | os.PathLike[str] = ".") -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "usable_cores": usable_cpus(),  # affinity and cgroup quota: what the run may use
         "memory_bytes": memory,
         "disk_total_bytes": disk.total,
         "disk_free_bytes": disk.free,

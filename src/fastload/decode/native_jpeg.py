@@ -11,6 +11,7 @@ extension and decodes JPEGs with simplejpeg instead.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
@@ -43,6 +44,10 @@ def _load() -> tuple[ModuleType | None, str]:
 
 
 _module, _status = _load()
+if _module is not None and hasattr(_module, "prepare_exit"):  # not on an older build
+    # As fastload.reader does for its reads: a transform in flight at the interpreter's
+    # finalization parks its thread instead of aborting the process (native/gil_release.hpp).
+    atexit.register(_module.prepare_exit)
 _warned = False
 
 

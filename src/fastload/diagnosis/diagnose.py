@@ -571,6 +571,8 @@ class _Diagnosis:
             cache_dir=str(where),
             max_bytes=max_bytes,
             policy=policy,  # type: ignore[arg-type]  # one of POLICIES: the store's own, or a fix's
+            # a trial of a budget share for the data: the entries' bytes, not the metadata
+            budget_counts="entries",
             refresh=False,
         )
         clone = copy.copy(self.dataset)

@@ -32,12 +32,13 @@ starts where the tuning ended.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from fastload.resources import usable_cpus
 
 log = logging.getLogger("fastload.autotune")
 
@@ -74,7 +75,7 @@ class Bounds:
                 f"autotune takes True or a dict of {sorted(cls.__dataclass_fields__)}; "
                 f"got {sorted(unknown)}"
             )
-        given.setdefault("max_workers", _cores())
+        given.setdefault("max_workers", usable_cpus())  # the container's
         bounds = cls(**given)
         counts = (bounds.max_workers, bounds.max_prefetch, bounds.window_batches)
         if min(counts) < 1 or bounds.trial_windows < 1:
@@ -350,12 +351,6 @@ def _nbytes(batch: Any) -> int:
 
 def _label(k: Knobs) -> str:
     return ", ".join(f"{name}={value}" for name, value in asdict(k).items())
-
-
-def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
 
 
 def make(setting: bool | Mapping[str, Any], loader: Any) -> Autotuner | None:

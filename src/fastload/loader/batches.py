@@ -27,11 +27,13 @@ from fastload.cache import Location
 from fastload.datasets.base import Range, ShardedDataset
 from fastload.decode import DecodedBatch, DecodeError, Decoder
 from fastload.errors import CacheCorruptError, FastloadError, RemoteChangedError
+from fastload.loader.cache_plan import CachePlan
 from fastload.loader.columnar_read import ColumnarRead, reads_columns
 from fastload.loader.entry_checks import EntryChecks
 from fastload.loader.staging_ahead import StagingAhead
 from fastload.loader.stats import LoaderStats
 from fastload.reader import BatchReader, aligned_empty
+from fastload.sampler import ShardedSampler
 from fastload.staging.range_pool import range_pool
 
 # Batches whose objects a batch reading them again does not count again (hits and misses
@@ -98,6 +100,7 @@ class BatchBuilder:
         self._contexts: list[_ReadContext] = []  # idle ones
         self._contexts_lock = threading.Lock()
         self.ahead = StagingAhead(dataset, stats)
+        self.cache_plan = CachePlan(dataset)  # a plan cache's future (cache_plan.py)
         # Objects (or ranges) this pass read lately, oldest first (see _note_needed).
         self._needed: OrderedDict[str | Range, None] = OrderedDict()
         self._needed_lock = threading.Lock()
@@ -115,7 +118,7 @@ class BatchBuilder:
 
     def stage(self, batches: Sequence[Any]) -> None:
         """Fetches the shards of batches ahead of their reads (:class:`StagingAhead`)."""
-        self.ahead.stage(batches, self.batched)
+        self.ahead.stage(batches, self.batched, self.cache_plan.read_already)
 
     def load(self, item: Any, epoch: int) -> Any:
         indices = [int(i) for i in item] if self.batched else [int(item)]
@@ -140,6 +143,8 @@ class BatchBuilder:
                     indices, samples = self._read_unchanged(indices, context)
             except BaseException as e:
                 raise _noted(e, "read") from None
+        if self.cache_plan.active:
+            self.cache_plan.reached([self.dataset.shard_of(i) for i in indices])
         if self.decoder is not None:
             start = time.perf_counter()
             self.stats.count("gil_handoffs")  # the decoder's native call
@@ -173,9 +178,11 @@ class BatchBuilder:
             stream = self._streams.stream = cuda.Stream(device=self.cuda_device)
         return stream
 
-    def new_pass(self) -> None:
+    def new_pass(self, sampler: ShardedSampler | None = None) -> None:
+        """A pass starts (from ``sampler``'s resume point, where the loader has one)."""
         with self._needed_lock:
             self._needed.clear()
+        self.cache_plan.start_pass(sampler)
 
     def _note_keys(self, keys: list[str]) -> None:
         """:meth:`_note_needed` of shards of one object each, by key."""

@@ -40,6 +40,7 @@ from fastload.decode import choose_backend, make_decoder
 from fastload.decode.base import Decoder
 from fastload.errors import DatasetMismatchError
 from fastload.loader import autotune as tuning
+from fastload.loader import prefetch_memory
 from fastload.loader.agreement import check_same_dataset
 from fastload.loader.batches import BatchBuilder, decodable
 from fastload.loader.device_decode import dali_options, decodes_into_slots
@@ -49,7 +50,7 @@ from fastload.loader.preemption import PreemptionHandler
 from fastload.loader.resume import ResumableIndex, replaying, rng_state, set_rng_state
 from fastload.loader.stats import LoaderStats
 from fastload.manifest import save_snapshot
-from fastload.plan import ResumeState
+from fastload.plan import ResumeState, num_batches
 from fastload.remote import public_url
 from fastload.resources import memory_share, resources
 from fastload.sampler import ShardedSampler
@@ -247,6 +248,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._fast_forward = 0  # batches an IterableDataset replays after a resume
         self._agreed = False  # whether the ranks agreed on the dataset (loader/agreement.py)
         self._stats = LoaderStats()
+        self._batch_bytes_seen = 0  # the largest first batch of a pass (prefetch_memory)
         self._decoder: Decoder | None = None
         self._builder: BatchBuilder | None = None
         self._ring: Any = None
@@ -301,6 +303,18 @@ class DataLoader(tud.DataLoader[Any]):
         set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_sampler_epoch):
             set_sampler_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Batches in an epoch (samples without batching), a resumed epoch included: the
+        whole epoch's count, as torch's loader and torchdata's ``StatefulDataLoader`` give
+        after ``load_state_dict``. Trainers count a resumed epoch's batches on from the
+        checkpoint's up to ``len()`` (Lightning does), so the rest would end it early."""
+        plan: ShardedSampler | None = self.__dict__.get("_plan_sampler")
+        if plan is None:
+            return super().__len__()
+        if self.batch_size is None:
+            return plan.num_samples
+        return num_batches(plan.num_samples, self.batch_size, drop_last=self.drop_last)
 
     def _finished(self, iteration: _Iteration) -> None:
         if iteration.start is self._last_start:
@@ -358,7 +372,7 @@ class DataLoader(tud.DataLoader[Any]):
         with self._resumable.resuming(batches_before, index_replay):
             items = iter(self._resumable)
         builder = self._batch_builder()
-        builder.new_pass()
+        builder.new_pass(self._plan_sampler)
         epoch = self._epoch
         batched = self._auto_collation
         workers = self.num_workers
@@ -490,9 +504,33 @@ class DataLoader(tud.DataLoader[Any]):
         """Batches loaded ahead of the training step. Each holds a ring slot until taken, so
         the ring's depth bounds it (a deeper prefetch would wait on the ring forever)."""
         depth = self.prefetch_batches or (self.prefetch_factor or 2) * max(1, self.num_workers)
+        if self.prefetch_batches is None:  # the default depth fits the container's memory
+            depth = prefetch_memory.bounded_depth(depth, self._batch_bytes())
         if self.ring_slots is not None and self._moves_to_device():
             depth = min(depth, self.ring_slots)
         return depth
+
+    def _batch_bytes(self) -> int:
+        """A batch's host bytes: the largest a pass's first batch held, else the estimate
+        (batches a decoder leaves on the GPU hold their encoded bytes on the host)."""
+        if self._batch_bytes_seen or not isinstance(self.dataset, ShardedDataset):
+            return self._batch_bytes_seen
+        on_host = self._decoder is None or self._decoder.config.device == "cpu"
+        transform = self.transform if self.decode is not None and on_host else None
+        return prefetch_memory.estimated_batch_bytes(
+            transform, self.batch_size or 1, self._bytes_per_sample()
+        )
+
+    def _weigh(self, batch: Any, source: Iterator[Any]) -> None:
+        """A pass's first batch says what a batch holds: where the default depth is more
+        than such batches fit in the memory share, the running pass goes shallower too."""
+        if self.prefetch_batches is not None or prefetch_memory.memory_share_bytes() is None:
+            return
+        nbytes = prefetch_memory.batch_nbytes(batch)
+        if nbytes > self._batch_bytes_seen:
+            self._batch_bytes_seen = nbytes
+            if isinstance(source, Pipeline):
+                source.limit_prefetch(self._prefetch_depth())
 
     def _device_ring(self) -> Any:
         if self._ring is None:
@@ -723,6 +761,12 @@ class DataLoader(tud.DataLoader[Any]):
         snapshot["device"] = None if self.device is None else str(self.device)
         snapshot["decode"] = self.decode
         snapshot["resources"] = resources().as_dict()  # the CPUs and memory the defaults read
+        if self._fast:
+            snapshot["prefetch"] = {
+                "batches": self._prefetch_depth(),
+                "batch_bytes": self._batch_bytes(),
+                "memory_share_bytes": prefetch_memory.memory_share_bytes(),
+            }
         if self._ring is not None:
             snapshot["ring"] = self._ring.stats()
         if self._builder is not None and self._builder.holds:
@@ -832,6 +876,8 @@ class _Iteration:
         batch = self._loader._deliver(batch)
         self.batches += 1
         self.samples += samples
+        if self.batches == 1:
+            self._loader._weigh(batch, self._source)
         self._loader._delivered(self)
         done = time.perf_counter()
         self._stats.add("wait", done - now)

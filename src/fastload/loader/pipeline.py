@@ -16,9 +16,11 @@ the stage.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +30,10 @@ from fastload.resources import lower_thread_priority
 
 # Threads wake at least this often to notice close(), whatever else they wait for.
 _POLL_S = 0.1
+# At exit, how long the loader's threads get to finish the batch in hand: one still inside a
+# native call when the interpreter finalizes would otherwise be ended mid-call (see
+# native/gil_release.hpp); past this, such a call parks its thread instead.
+_EXIT_WAIT_S = 2.0
 
 
 class LoaderTimeoutError(RuntimeError):
@@ -46,6 +52,23 @@ class _Failure:
             error.add_note(f"fastload: raised in the {self.stage} stage, batch {self.seq}")
             error._fastload_noted = True  # type: ignore[attr-defined]
         raise error
+
+
+# Every pass with threads, until they have all ended (a thread keeps its pass alive): a
+# pass dropped after `break` has its threads still finishing a batch.
+_passes: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    """Stops every pass's threads before the interpreter finalizes, each after the batch in
+    hand, waiting at most _EXIT_WAIT_S in all."""
+    passes = list(_passes)
+    for p in passes:
+        p.close(wait_s=0.0)
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for p in passes:
+        p.join(deadline)
 
 
 class Pipeline:
@@ -94,6 +117,7 @@ class Pipeline:
         self._threads: list[threading.Thread] = []
         self._worker_threads: dict[int, threading.Thread] = {}
         if workers > 0:
+            _passes.add(self)
             self._start(self._dispatch, "fastload-dispatch")
             self._start_workers()
 
@@ -119,6 +143,13 @@ class Pipeline:
             self._lookahead = max(self._prefetch, lookahead)
             self._cv.notify_all()
             self._start_workers()
+
+    def limit_prefetch(self, prefetch: int) -> None:
+        """Loads at most ``prefetch`` batches ahead from now on (never more than before):
+        batches that weigh more than expected must not fill the memory. Those already
+        loaded stay; no new one starts until the consumer is within the new depth."""
+        with self._cv:
+            self._prefetch = max(1, min(self._prefetch, prefetch))
 
     def _start(self, target: Callable[[], None], name: str) -> threading.Thread:
         def run() -> None:
@@ -246,17 +277,24 @@ class Pipeline:
             _Failure(e, getattr(e, "_fastload_stage", "load"), seq).raise_()
             raise  # unreachable: raise_ raises
 
-    def close(self) -> None:
-        """Stops the threads (they finish the sample in hand, then exit); idempotent."""
+    def close(self, wait_s: float = _POLL_S) -> None:
+        """Stops the threads (they finish the batch in hand, then exit), waiting at most
+        wait_s for each; idempotent."""
         with self._cv:
             self._closed = True
             self._todo.clear()
             self._done.clear()
             self._cv.notify_all()
-        me = threading.current_thread()
+        if wait_s > 0:
+            for thread in self._threads:
+                if thread is not threading.current_thread():
+                    thread.join(timeout=wait_s)
+
+    def join(self, deadline: float) -> None:
+        """Waits until the threads have ended, or time.monotonic() passes deadline."""
         for thread in self._threads:
-            if thread is not me:
-                thread.join(timeout=_POLL_S)
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def __del__(self) -> None:
         self.close()

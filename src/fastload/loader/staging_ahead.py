@@ -5,7 +5,7 @@ batch must have now staged for it here (``stage_own``)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from fastload.datasets.base import Range, ShardedDataset
@@ -48,15 +48,24 @@ class StagingAhead:
         self._fetching: dict[Range, threading.Event] = {}  # ranges being staged: set when done
         self._fetching_lock = threading.Lock()
 
-    def stage(self, batches: Sequence[Any], batched: bool) -> None:
+    def stage(
+        self,
+        batches: Sequence[Any],
+        batched: bool,
+        read_already: Callable[[list[str]], set[str]] | None = None,
+    ) -> None:
         """Stages the shards of batches (of sample indices, or single indices where not
         ``batched``) that are not staged yet: their objects whole (held in memory where
-        the cache turns them away and the planner says so), or their byte ranges."""
+        the cache turns them away and the planner says so), or their byte ranges.
+        ``read_already``: which objects the loading threads have read already (staging
+        ahead fell behind them), left out."""
         ds = self.dataset
         indices = (index for batch in batches for index in (batch if batched else [batch]))
         reads, samples = self._ranges_staged(
             (ds.shard_of(int(index)) for index in indices), skip_staged=True
         )
+        for key in read_already(list(reads)) if read_already is not None else ():
+            del reads[key], samples[key]
         if not reads:
             return
         results = ds.store.stage(list(reads), self.hold_reads(reads, samples))

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastload.resources import usable_cpus
+
 CONFIGS = ("sleep", "gil", "memory", "remote")
 PREFETCH = (1, 2, 8)
 START_LOOKAHEAD = 1 << 20
@@ -113,10 +115,6 @@ def _epoch(loader: Any, kind: str, step_s: float) -> float:
     return samples / (time.perf_counter() - start)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def in_flight_bytes(setting: Setting, per_batch: int) -> int:
     """The memory a setting holds, as the tuner counts it (autotune.Autotuner.in_flight_bytes)."""
     return (setting.prefetch_batches + setting.num_workers) * per_batch + setting.lookahead_bytes
@@ -134,7 +132,7 @@ def run(out_dir: str | os.PathLike[str], config: AutotuneBenchConfig) -> dict[st
     shutil.rmtree(work, ignore_errors=True)
     warm_cache = work / "warm-cache"
     assert fl.warm(str(data.folder), cache_dir=str(warm_cache), progress=False).ok
-    cores = _cores()
+    cores = usable_cpus()  # the container's
     step_s = config.step_ms / 1000
     records: dict[str, Any] = {"cores": cores, "load1_start": os.getloadavg()[0], "configs": {}}
     moves: list[str] = []

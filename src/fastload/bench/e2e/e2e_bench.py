@@ -299,7 +299,7 @@ def load_line(before: tuple[float, ...], after: tuple[float, ...]) -> str:
     """The table's line on the machine's load: the 1-minute load average before the run
     and after it, against the cores; "busy" when something else already loaded it
     (before the run, more than half its cores)."""
-    cores = os.cpu_count() or 1
+    cores = os.cpu_count() or 1  # the host's: its load average counts the whole host
     busy = before[0] > cores / 2
     state = "BUSY machine: other work shares the cores, ratios are rough" if busy else "quiet"
     return (

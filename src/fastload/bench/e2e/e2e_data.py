@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from fastload.resources import usable_cpus
+
 GENERATOR_VERSION = 1  # bump when generated data changes, so old copies are rebuilt
 
 
@@ -198,7 +200,7 @@ def _images_in_parallel(
     folder: Path, config: DataConfig, side: int | None
 ) -> list[npt.NDArray[np.uint8] | None]:
     indices = list(range(config.samples))
-    procs = min(os.cpu_count() or 1, 8)
+    procs = min(usable_cpus(), 8)
     if config.samples < 200 or procs == 1:  # starting processes would cost more
         return _make_images(str(folder), indices, config.classes, side)
     parts = [indices[k::procs] for k in range(procs)]

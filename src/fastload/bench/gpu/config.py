@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastload.bench.runner import Measurement
+from fastload.resources import usable_cpus
 
 SECTIONS = ("decode", "copy", "overlap", "ranks", "doctor")
 DECODE_REFERENCE = "DALI's own mixed pipeline"
@@ -29,12 +29,6 @@ MIXED_OPTIONS: dict[str, Any] = {
 WAIT_S = 120.0  # any single batch taking longer than this is a hang, not a slow run
 
 
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):  # what this process may use, not what the host has
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 class NoCudaError(RuntimeError):
     """There is no CUDA device to check."""
 
@@ -46,7 +40,7 @@ class GpuCheckConfig:
     batch_size: int = 256
     size: int = 224
     repeats: int = 2
-    threads: int = field(default_factory=lambda: _usable_cores())
+    threads: int = field(default_factory=usable_cpus)  # affinity and cgroup, not the host's
     copies: int = 8  # host->device copies of one batch per timed repeat
     ring_batches: int = 48
     steps: int = 30

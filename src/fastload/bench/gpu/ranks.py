@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fastload.resources import usable_cpus
+
 _BARRIER_S = 300.0  # ranks that have not all arrived by then: one of them failed
 
 
@@ -44,12 +46,6 @@ class RankConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.batches < 1 or self.size < 1 or self.threads < 0:
             raise ValueError(f"batch_size, batches, size must be >= 1, threads >= 0: {self}")
-
-
-def usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def gpus_for(device: str) -> int:
@@ -85,7 +81,7 @@ def run_rank(config: RankConfig, barrier: Path) -> dict[str, Any]:
     if device.startswith("cuda"):
         device = f"cuda:{local_rank % gpus_for(device)}"
         torch.cuda.set_device(torch.device(device))
-    threads = config.threads or max(1, usable_cores() // ranks)
+    threads = config.threads or max(1, usable_cpus() // ranks)
     dataset = fl.open_dataset(config.data, cache_dir=config.cache_dir)
     loader = fl.DataLoader(
         dataset,
@@ -196,7 +192,7 @@ def run_node(config: RankConfig, ranks: int, work_dir: Path) -> dict[str, Any]:
         "per_rank_images_per_s": [round(r["images_per_s"], 1) for r in results],
         "cores_used": cores,
         "cores_per_gpu": cores / gpus,
-        "usable_cores": usable_cores(),
+        "usable_cores": usable_cpus(),
     }
 
 
