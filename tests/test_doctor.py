@@ -324,6 +324,7 @@ def test_ranks_sharing_the_node_get_their_share_of_the_cores(jpegs: Path, warm_c
         num_workers=2,
         local_world_size=2,
         world_size=2,
+        measure_ranks=False,  # the prediction alone (test_doctor_ranks measures the ranks)
         transform=small_preset(),
         **QUICK,
     )

@@ -703,7 +703,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--phase-s", type=float, default=4.0, help="seconds per phase (default 4)")
     run.add_argument("--rank", type=int, help="this rank (default: torchrun's RANK, else 0)")
     run.add_argument("--world-size", type=positive_int, help="ranks in the job (GPUs paid for)")
-    run.add_argument("--local-world-size", type=positive_int, help="ranks on this node")
+    run.add_argument(
+        "--local-world-size",
+        type=positive_int,
+        help="ranks on this node: a loader process each is run at once and measured against "
+        "the prediction for the node's cores shared N ways",
+    )
     run.add_argument(
         "--latency-ms", type=_non_negative, default=20.0, help="the generated dataset's remote"
     )
