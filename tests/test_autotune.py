@@ -203,3 +203,108 @@ def test_a_loader_that_keeps_pace_is_left_alone() -> None:
         tuner.observe(now - 1e-5, now)  # the step never waits
     assert tuner.converged
     assert tuner.changes == []
+
+
+def test_a_thread_more_brings_the_prefetch_depth_it_needs() -> None:
+    """At prefetch 1 only one batch may be loading: a second thread would wait idle, and
+    the tuner, judging it on an unchanged rate, would undo the very move that pays."""
+
+    def rate(k: Knobs) -> float:  # threads pay up to 3, as far as each has a batch to load
+        return 10.0 * min(k.num_workers, k.prefetch_batches, 3)
+
+    tuner = _tuner()
+    _drive(tuner, rate, windows=200, noise=0.03)
+    assert tuner.converged
+    assert tuner.knobs.num_workers == 3
+    assert tuner.knobs.prefetch_batches >= 3
+
+
+def test_a_faster_window_whose_wait_did_not_shrink_keeps_no_move() -> None:
+    """The step itself ran faster while a move was measured (a quieter machine): the rate
+    rose, the wait for batches did not, so the move is not credited with it."""
+    tuner = _tuner(gain=1.05)
+    tuner.new_pass()
+    now = 0.0
+
+    def window(step_s: float, wait_s: float) -> None:
+        nonlocal now
+        for _ in range(tuner.bounds.window_batches + 8):
+            asked = now + step_s
+            now = asked + wait_s
+            tuner.observe(asked, now)
+
+    window(0.010, 0.002)  # the kept settings
+    assert tuner.trial is not None
+    assert tuner.trial[0] == "num_workers"
+    while tuner.trial is not None:
+        window(0.007, 0.002)  # 25% faster: the step alone
+    assert tuner.changes[0]["setting"] == "num_workers"
+    assert tuner.changes[0]["kept"] is False
+    assert tuner.changes[0]["samples_per_s_after"] > 1.05 * tuner.changes[0]["samples_per_s_before"]
+    assert tuner.knobs.num_workers == 1
+
+
+def test_the_memory_bound_counts_decoded_batches() -> None:
+    """The bytes in flight are the delivered batches' (decoded), not only their encoded
+    bytes: a bound that the encoded bytes alone would meet stops the climb."""
+    encoded, decoded = 1 << 16, 4 * 3 * 64 * 64 * 4 + 4 * 4
+    # The start (a thread, a batch prefetched) and one encoded batch more: counted encoded
+    # only, the bound would take 8 batches in flight.
+    tuner = _tuner(max_memory_bytes=(1 << 20) + 2 * (encoded + decoded) + encoded)
+    tuner.learn_batch((torch.zeros(4, 3, 64, 64), torch.zeros(4)))
+    assert tuner.decoded_bytes == decoded
+
+    def rate(k: Knobs) -> float:  # everything pays
+        return float(k.num_workers * k.prefetch_batches)
+
+    _drive(tuner, rate, windows=100)
+    assert tuner.in_flight_bytes(tuner.knobs) <= tuner.bounds.max_memory_bytes  # type: ignore[operator]
+    assert tuner.knobs == Knobs(num_workers=1, prefetch_batches=1, lookahead_bytes=1 << 20)
+
+
+def test_the_lookahead_is_tried_first_while_fetching_and_never_on_a_warm_cache() -> None:
+    """A step waiting on the remote waits for staging: the look-ahead is the move that pays
+    (threads do not), and is tried first; once nothing is fetched it is not tried at all."""
+
+    def rate(k: Knobs) -> float:  # fetch-bound: the look-ahead pays up to 8 MiB
+        return 10.0 * min(k.lookahead_bytes, 8 << 20) / (1 << 20)
+
+    fetched = 0
+
+    def counter() -> int:
+        nonlocal fetched
+        fetched += 1 << 20  # every look: another MiB came from the remote
+        return fetched
+
+    cold = _tuner()
+    cold.fetched = counter
+    _drive(cold, rate, windows=200, noise=0.03)
+    assert cold.changes[0]["setting"] == "lookahead_bytes"
+    assert cold.knobs.lookahead_bytes == 8 << 20
+
+    warm = _tuner()
+    warm.fetched = lambda: 0  # a warm cache: nothing fetched
+    _drive(warm, rate, windows=200, noise=0.03)
+    assert warm.converged
+    assert all(c["setting"] != "lookahead_bytes" for c in warm.changes)
+
+
+def test_a_move_is_judged_on_more_than_one_window() -> None:
+    """A move's first window ran slow (the machine's noise), its second fast: judged on
+    both, the move that pays on the whole is kept, not undone on one window's luck."""
+    tuner = _tuner(gain=1.05)
+    tuner.new_pass()
+    now = 0.0
+    while not tuner.changes:
+        if tuner.trial is None:
+            step_s, wait_s = 0.010, 0.010  # the kept settings: 20 ms a batch
+        elif not tuner.trial_measured:
+            step_s, wait_s = 0.010, 0.014  # the move's first window: slower (24 ms)
+        else:
+            step_s, wait_s = 0.010, 0.002  # its second: much faster (12 ms)
+        asked = now + step_s
+        now = asked + wait_s
+        tuner.observe(asked, now)
+    assert tuner.changes[0]["setting"] == "num_workers"
+    assert tuner.changes[0]["kept"] is True
+    assert tuner.changes[0]["to"] == 2

@@ -86,7 +86,7 @@ def test_lookup_many_answers_as_lookup_does_for_a_whole_batch(tmp_path: Path) ->
 def test_index_survives_reopening(tmp_path: Path) -> None:
     with Cache(tmp_path) as cache:
         put(cache, "http://h/a", b"abc")
-    with Cache(tmp_path) as cache:
+    with Cache(tmp_path, budget_counts="entries") as cache:
         assert cache.lookup("http://h/a") is not None
         assert cache.used_bytes() == 3
 
@@ -123,7 +123,7 @@ def test_hostile_keys_cannot_create_files_outside_the_cache(
 @pytest.mark.parametrize("policy", ["lru", "pin", "plan"])
 def test_budget_is_never_exceeded(tmp_path: Path, policy) -> None:
     rng = random.Random(0)
-    with Cache(tmp_path, max_bytes=10_000, policy=policy) as cache:
+    with Cache(tmp_path, max_bytes=10_000, budget_counts="entries", policy=policy) as cache:
         cache.plan = PlanHint([f"s3://b/{rng.randrange(50)}" for _ in range(300)])
         for _ in range(300):
             i = rng.randrange(50)
@@ -141,7 +141,9 @@ def test_budget_counts_whole_segments_and_is_never_exceeded(tmp_path: Path, poli
     """Packed entries are evicted a segment at a time; dead bytes in a segment still count."""
     rng = random.Random(1)
     urls = [f"s3://b/{i}" for i in range(200)]
-    with Cache(tmp_path, max_bytes=12_000, policy=policy, segment_bytes=2000) as cache:
+    with Cache(
+        tmp_path, max_bytes=12_000, budget_counts="entries", policy=policy, segment_bytes=2000
+    ) as cache:
         cache.plan = PlanHint([rng.choice(urls) for _ in range(2000)])
         for _ in range(2000):
             url = rng.choice(urls)
@@ -158,14 +160,14 @@ def test_budget_counts_whole_segments_and_is_never_exceeded(tmp_path: Path, poli
 
 
 def test_an_object_larger_than_the_budget_is_turned_away(tmp_path: Path) -> None:
-    with Cache(tmp_path, max_bytes=100) as cache:
+    with Cache(tmp_path, max_bytes=100, budget_counts="entries") as cache:
         assert put(cache, "s3://b/big", b"x" * 101) is None
         assert cache.entry("s3://b/big") is None
         assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_lru_evicts_the_least_recently_used(tmp_path: Path) -> None:
-    with Cache(tmp_path, max_bytes=300, policy="lru") as cache:
+    with Cache(tmp_path, max_bytes=300, budget_counts="entries", policy="lru") as cache:
         for name in "abc":
             put(cache, f"s3://b/{name}", b"x" * 100)
         cache.touch(["s3://b/a"])  # a is now the most recent; b the least
@@ -174,14 +176,14 @@ def test_lru_evicts_the_least_recently_used(tmp_path: Path) -> None:
 
 
 def test_pin_keeps_what_it_has_and_turns_the_rest_away(tmp_path: Path) -> None:
-    with Cache(tmp_path, max_bytes=300, policy="pin") as cache:
+    with Cache(tmp_path, max_bytes=300, budget_counts="entries", policy="pin") as cache:
         for name in "abcd":
             put(cache, f"s3://b/{name}", b"x" * 100)
         assert {e.url for e in cache.entries()} == {"s3://b/a", "s3://b/b", "s3://b/c"}
 
 
 def test_plan_evicts_what_is_needed_furthest_in_the_future(tmp_path: Path) -> None:
-    with Cache(tmp_path, max_bytes=200, policy="plan") as cache:
+    with Cache(tmp_path, max_bytes=200, budget_counts="entries", policy="plan") as cache:
         cache.plan = PlanHint(["s3://b/a", "s3://b/b", "s3://b/c", "s3://b/a", "s3://b/c"])
         put(cache, "s3://b/a", b"x" * 100)
         with cache.use("s3://b/a"):
@@ -194,7 +196,7 @@ def test_plan_evicts_what_is_needed_furthest_in_the_future(tmp_path: Path) -> No
 
 
 def test_plan_turns_away_what_is_needed_later_than_everything_cached(tmp_path: Path) -> None:
-    with Cache(tmp_path, max_bytes=200, policy="plan") as cache:
+    with Cache(tmp_path, max_bytes=200, budget_counts="entries", policy="plan") as cache:
         cache.plan = PlanHint(["s3://b/a", "s3://b/b", "s3://b/c", "s3://b/a", "s3://b/b"])
         put(cache, "s3://b/a", b"x" * 100)
         put(cache, "s3://b/b", b"x" * 100)
@@ -204,7 +206,7 @@ def test_plan_turns_away_what_is_needed_later_than_everything_cached(tmp_path: P
 
 @pytest.mark.parametrize("policy", ["lru", "plan"])
 def test_an_object_in_use_is_never_evicted(tmp_path: Path, policy) -> None:
-    with Cache(tmp_path, max_bytes=200, policy=policy) as cache:
+    with Cache(tmp_path, max_bytes=200, budget_counts="entries", policy=policy) as cache:
         put(cache, "s3://b/a", b"a" * 100)
         put(cache, "s3://b/b", b"b" * 100)
         cache.touch(["s3://b/b"])  # a is the LRU victim...
@@ -219,7 +221,7 @@ def test_an_object_in_use_is_never_evicted(tmp_path: Path, policy) -> None:
 
 
 def test_when_everything_is_in_use_the_newcomer_is_turned_away(tmp_path: Path) -> None:
-    with Cache(tmp_path, max_bytes=100) as cache:
+    with Cache(tmp_path, max_bytes=100, budget_counts="entries") as cache:
         put(cache, "s3://b/a", b"a" * 100)
         with cache.use("s3://b/a"):
             assert put(cache, "s3://b/b", b"b" * 100) is None
@@ -333,7 +335,7 @@ def test_a_release_wakes_the_threads_of_its_process_waiting_for_locks(tmp_path: 
 
 
 def test_evict_and_clear(tmp_path: Path) -> None:
-    with Cache(tmp_path, segment_bytes=0) as cache:
+    with Cache(tmp_path, budget_counts="entries", segment_bytes=0) as cache:
         for name in "abcd":
             put(cache, f"s3://b/{name}", b"x" * 100)
         assert cache.evict(to_bytes=200) == 2
@@ -361,6 +363,7 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path: Path) 
         ({"max_bytes": -1}, "max_bytes"),
         ({"policy": "fifo"}, "policy"),
         ({"lock_timeout_s": 0}, "lock"),
+        ({"budget_counts": "blocks"}, "budget_counts"),
     ],
 )
 def test_bad_settings_are_refused(tmp_path: Path, kwargs, message) -> None:
@@ -380,7 +383,9 @@ def test_use_with_a_version_misses_on_another_version(tmp_path: Path) -> None:
 
 def test_small_entries_are_packed_into_segments_and_survive_reopening(tmp_path: Path) -> None:
     blobs = {f"s3://b/{i}": os.urandom(512) for i in range(1000)}
-    with Cache(tmp_path) as cache:  # no budget: 64 MB segments, entries up to 1 MB packed
+    with Cache(
+        tmp_path, budget_counts="entries"
+    ) as cache:  # no budget: 64 MB segments, entries up to 1 MB packed
         for url, data in blobs.items():
             put(cache, url, data)
         assert cache.used_bytes() == 512_000 == bytes_on_disk(tmp_path)
@@ -395,7 +400,7 @@ def test_small_entries_are_packed_into_segments_and_survive_reopening(tmp_path: 
 
 
 def test_a_segment_with_an_entry_in_use_is_never_evicted(tmp_path: Path) -> None:
-    with Cache(tmp_path, max_bytes=3000, segment_bytes=1000) as cache:
+    with Cache(tmp_path, max_bytes=3000, budget_counts="entries", segment_bytes=1000) as cache:
         for i in range(10):  # segments 1 and 2, 10 entries of 60 B (plus room for 6 more)
             put(cache, f"s3://b/{i}", bytes([i]) * 60)
         old = cache.lookup("s3://b/0")
@@ -460,7 +465,7 @@ def test_an_index_of_the_format_before_segments_is_upgraded_in_place(tmp_path: P
     db.execute("INSERT INTO totals VALUES ('bytes', ?)", (len(data),))
     db.commit()
     db.close()
-    with Cache(tmp_path) as cache:
+    with Cache(tmp_path, budget_counts="entries") as cache:
         assert cache.used_bytes() == len(data)
         where = cache.lookup(url, version="etag1", size=len(data))
         assert where is not None

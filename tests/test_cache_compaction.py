@@ -37,7 +37,7 @@ def put(cache: Cache, url: str, payload: bytes, version: str) -> bool:
 
 def pinned_cache(directory: Path) -> int:
     """N entries packed into segments; returns the budget that holds exactly them."""
-    with Cache(directory, segment_bytes=SEGMENT) as cache:
+    with Cache(directory, budget_counts="entries", segment_bytes=SEGMENT) as cache:
         for i in range(N):
             assert put(cache, f"s3://b/{i}", data(i), "v1")
         return cache.used_bytes()
@@ -51,7 +51,7 @@ def bytes_on_disk(directory: Path) -> int:
 
 def consistent(directory: Path, versions: dict[int, str]) -> None:
     """Every entry reads back its bytes; the total counts each file on disk once."""
-    with Cache(directory, segment_bytes=SEGMENT) as cache:
+    with Cache(directory, budget_counts="entries", segment_bytes=SEGMENT) as cache:
         assert cache.verify(repair=False) == []
         for entry in cache.entries():
             i = int(entry.url.rsplit("/", 1)[1])
@@ -80,7 +80,9 @@ def refetch_changed(cache: Cache, changed: list[int], *, compact: bool) -> int:
 def test_pin_admits_refetches_once_compaction_ran(tmp_path: Path, compact: bool) -> None:
     budget = pinned_cache(tmp_path)
     changed = random.Random(0).sample(range(N), N // 2)
-    with Cache(tmp_path, max_bytes=budget, policy="pin", segment_bytes=SEGMENT) as cache:
+    with Cache(
+        tmp_path, budget_counts="entries", max_bytes=budget, policy="pin", segment_bytes=SEGMENT
+    ) as cache:
         cache.compaction_credit = -(10**12)  # no compaction while publishing: only compact()
         admitted = refetch_changed(cache, changed, compact=compact)
         assert cache.used_bytes() <= budget
@@ -94,7 +96,9 @@ def test_pin_admits_refetches_once_compaction_ran(tmp_path: Path, compact: bool)
 def test_pin_compacts_while_publishing_on_a_budget_of_io(tmp_path: Path) -> None:
     budget = pinned_cache(tmp_path)
     changed = random.Random(1).sample(range(N), N // 2)
-    with Cache(tmp_path, max_bytes=budget, policy="pin", segment_bytes=SEGMENT) as cache:
+    with Cache(
+        tmp_path, budget_counts="entries", max_bytes=budget, policy="pin", segment_bytes=SEGMENT
+    ) as cache:
         admitted = refetch_changed(cache, changed, compact=False)
         assert admitted >= 0.95 * len(changed)
         assert cache.used_bytes() <= budget
@@ -102,7 +106,7 @@ def test_pin_compacts_while_publishing_on_a_budget_of_io(tmp_path: Path) -> None
 
 def test_a_segment_a_reader_holds_is_not_compacted(tmp_path: Path) -> None:
     pinned_cache(tmp_path)
-    with Cache(tmp_path, segment_bytes=SEGMENT) as cache:
+    with Cache(tmp_path, budget_counts="entries", segment_bytes=SEGMENT) as cache:
         for i in range(0, N, 2):
             cache.drop(f"s3://b/{i}")
         held = cache.lookup("s3://b/1")
@@ -120,14 +124,14 @@ def test_a_segment_a_reader_holds_is_not_compacted(tmp_path: Path) -> None:
 
 def test_fastload_cache_compact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pinned_cache(tmp_path)
-    with Cache(tmp_path, segment_bytes=SEGMENT) as cache:
+    with Cache(tmp_path, budget_counts="entries", segment_bytes=SEGMENT) as cache:
         for i in range(0, N, 2):
             cache.drop(f"s3://b/{i}")
         before = cache.used_bytes()
     assert main(["cache", "compact", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "rewrote" in out
-    with Cache(tmp_path) as cache:
+    with Cache(tmp_path, budget_counts="entries") as cache:
         assert cache.used_bytes() <= before - (N // 2) * SIZE
     consistent(tmp_path, dict.fromkeys(range(N), "v1"))
 
@@ -155,7 +159,7 @@ _CHILD = textwrap.dedent(
     elif stage == "committed":  # committed, the old file not yet unlinked
         compaction.Rewrite.finish = lambda self, committed: die() if committed else None
     compaction_started = False
-    with Cache(directory, segment_bytes=16_000) as cache:
+    with Cache(directory, budget_counts="entries", segment_bytes=16_000) as cache:
         for i in range(0, 100, 2):
             cache.drop(f"s3://b/{i}")
         print("ready", flush=True)

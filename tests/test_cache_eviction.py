@@ -186,7 +186,11 @@ def test_a_publish_evicts_what_the_reference_evicts(
     order: list,
 ) -> None:
     with Cache(
-        tmp_path_factory.mktemp("c"), max_bytes=1500, policy=policy, segment_bytes=segment_bytes
+        tmp_path_factory.mktemp("c"),
+        max_bytes=1500,
+        budget_counts="entries",
+        policy=policy,
+        segment_bytes=segment_bytes,
     ) as cache:  # type: ignore[arg-type]
         cache.plan = PlanHint(order)
         for op, url, size in trace:
@@ -219,10 +223,10 @@ def test_a_million_entry_cache_opens_and_evicts_least_recent_first(tmp_path: Pat
         )
         db.execute("UPDATE totals SET value = ? WHERE name = 'bytes'", (n * size,))
         db.execute("UPDATE totals SET value = ? WHERE name = 'files'", (n,))
-    for counts_disk in (False, True):  # entries' bytes only (a budget under 64 MiB); all
-        with Cache(tmp_path, segment_bytes=0) as cache:
-            max_bytes = cache.disk_bytes() if counts_disk else cache.used_bytes()
-        with Cache(tmp_path, max_bytes=max_bytes, segment_bytes=0) as cache:
+    for counts in ("entries", "disk"):  # the entries' bytes only (tests, toys); all on disk
+        with Cache(tmp_path, segment_bytes=0, budget_counts=counts) as cache:
+            max_bytes = cache.used_bytes()
+        with Cache(tmp_path, max_bytes=max_bytes, segment_bytes=0, budget_counts=counts) as cache:
             with cache.index.transaction() as db:
                 (before,) = db.execute("SELECT COUNT(*) FROM objects").fetchone()
                 (oldest_before,) = db.execute("SELECT MIN(last_use) FROM objects").fetchone()
@@ -234,7 +238,7 @@ def test_a_million_entry_cache_opens_and_evicts_least_recent_first(tmp_path: Pat
             # what was needed, then on to the low-water mark (1% of the budget)
             assert 1 <= evicted <= (1000 + max_bytes // 100) // size + 2
             assert oldest == oldest_before + evicted  # exactly the least recently used went
-            assert cache.counts_disk is counts_disk
+            assert cache.counts_disk is (counts == "disk")
             assert cache.used_bytes() <= max_bytes
 
 
@@ -245,7 +249,9 @@ def test_plan_victims_evicted_elsewhere_free_nothing_and_the_budget_still_holds(
     another process evicted since free nothing: the totals follow what the deletes
     removed, and eviction goes on to the next victims until the new entry fits."""
     urls = [f"s3://b/{i}" for i in range(10)]
-    with Cache(tmp_path, max_bytes=1000, policy="plan", segment_bytes=0) as cache:
+    with Cache(
+        tmp_path, max_bytes=1000, budget_counts="entries", policy="plan", segment_bytes=0
+    ) as cache:
         cache.plan = PlanHint(["s3://b/a", "s3://b/b", *urls])  # a and b first, then 0..9
         for url in urls:
             assert put(cache, url, 100)

@@ -70,6 +70,8 @@ def test_bench_quick_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "results" / "read.json").read_text())
     assert {r["system"] for r in result["rows"]} >= {"cat > /dev/null", "Python readinto loop"}
     assert result["machine"]["cores"] >= 1
+    scale = json.loads((tmp_path / "results" / "cache_scale.json").read_text())
+    assert all(r["extra"]["evicted"] > 0 for r in scale["rows"] if r["system"] != "pin")
 
 
 @pytest.mark.parametrize(

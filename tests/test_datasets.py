@@ -85,6 +85,7 @@ def test_a_full_pin_cache_reads_the_rest_straight_from_the_remote(
         cache_dir=str(tmp_path / "c"),
         storage_options=served.storage_options,
         max_bytes=budget,
+        budget_counts="entries",
         policy="pin",
     )
     assert {ds.keys[i]: ds[i] for i in range(len(ds))} == served.files

@@ -49,7 +49,14 @@ def half_budget(remote: Remote) -> int:
 
 def open_pinned(remote: Remote, cache: Path, **options: Any) -> ShardedDataset:
     """The dataset behind a pin cache of half its size: half of it is turned away."""
-    return open_files(remote, cache, max_bytes=half_budget(remote), policy="pin", **options)
+    return open_files(
+        remote,
+        cache,
+        max_bytes=half_budget(remote),
+        budget_counts="entries",
+        policy="pin",
+        **options,
+    )
 
 
 def epochs(
@@ -143,7 +150,9 @@ def test_a_dataset_within_the_pin_budget_is_staged_as_without_one(
     than the budget; one that fits is staged into the cache as before."""
     assert served.server is not None
     budget = sum(map(len, served.files.values()))
-    dataset = open_files(served, tmp_path / "pin", max_bytes=budget, policy="pin")
+    dataset = open_files(
+        served, tmp_path / "pin", max_bytes=budget, budget_counts="entries", policy="pin"
+    )
     served.server.reset_stats()
     _, stats = epochs(dataset, 2, num_workers=2)
     assert "held" not in stats
@@ -207,7 +216,10 @@ def test_tar_shards_the_cache_turns_away_give_the_all_cached_batches(
                 return [bytes(s["jpg"]) for _ in range(2) for batch in loader for s in batch]
 
         expected = samples(tmp_path / "all")
-        assert samples(tmp_path / "pin", max_bytes=budget, policy="pin") == expected
+        assert (
+            samples(tmp_path / "pin", max_bytes=budget, budget_counts="entries", policy="pin")
+            == expected
+        )
 
 
 def test_forked_torch_workers_read_turned_away_objects_from_the_remote(

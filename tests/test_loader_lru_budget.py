@@ -45,6 +45,7 @@ def open_lru(server: RangeHTTPServer, files: dict[str, bytes], cache: Path) -> S
         format="files",
         cache_dir=str(cache),
         max_bytes=sum(map(len, files.values())) // 2,
+        budget_counts="entries",
         policy="lru",
     )
 
@@ -71,7 +72,7 @@ def test_lru_counts_a_batch_lookup_as_a_use(tmp_path: Path, lookup: str) -> None
     """The loader finds a batch's objects with lookup_many (or, read as columns, with
     placed), then reads them: eviction in the meantime must not pick them (nor order by
     fetch time alone)."""
-    with Cache(tmp_path, max_bytes=300, policy="lru") as cache:
+    with Cache(tmp_path, max_bytes=300, budget_counts="entries", policy="lru") as cache:
         for name in "abc":
             lock = cache.fetch_lock(f"s3://b/{name}")
             part = cache.new_part(f"s3://b/{name}")
@@ -105,13 +106,15 @@ def test_a_use_buffered_before_another_process_fetched_again_does_not_age_the_ne
     buffered in the loader's process); the staging process evicted it, then staged it again
     for a near batch. The loader's next eviction wrote its buffered use, setting the fresh
     copy's recency back to the old read: lru picked it before that batch read it."""
-    with Cache(tmp_path, max_bytes=300, policy="lru") as cache:
+    with Cache(tmp_path, max_bytes=300, budget_counts="entries", policy="lru") as cache:
         for name in "abc":
             publish(cache, name)
         assert cache.lookup_many(["s3://b/a"], ["v1"], [100])[0] is not None  # buffered
         other_process = f"""
             from fastload.cache import Cache
-            with Cache({str(tmp_path)!r}, max_bytes=300, policy="lru") as cache:
+            with Cache(
+                {str(tmp_path)!r}, max_bytes=300, budget_counts="entries", policy="lru"
+            ) as cache:
                 cache.touch(["s3://b/b", "s3://b/c"])  # used after the buffered use of a
                 assert cache.drop("s3://b/a")  # evicted there, then staged again
                 lock = cache.fetch_lock("s3://b/a")

@@ -263,10 +263,11 @@ def test_warm_stays_within_the_budget(remote: Remote, tmp_path: Path, policy) ->
         cache_dir=str(tmp_path),
         storage_options=remote.storage_options,
         max_bytes=budget,
+        budget_counts="entries",
         policy=policy,
         progress=False,
     )
-    with Cache(tmp_path) as cache:
+    with Cache(tmp_path, budget_counts="entries") as cache:
         assert cache.used_bytes() <= budget
         assert report.fetched + report.skipped == len(remote.files)
         for entry in cache.entries():
@@ -373,8 +374,14 @@ def test_cli_warm_json_report_then_cache_commands(tmp_path: Path) -> None:
         assert again["fetched"] == 1  # the dropped object is refetched, nothing else
         assert run_cli("cache", "verify", "--cache-dir", cache_dir).returncode == 0
 
-        evict = run_cli("cache", "evict", "--cache-dir", cache_dir, "--max-bytes", "100K", "--json")
-        assert json.loads(evict.stdout)["bytes"] <= 100_000
+        # evict's --max-bytes counts what the budget counts: everything on disk
+        counted = json.loads(run_cli("cache", "du", "--cache-dir", cache_dir, "--json").stdout)
+        keep = counted["bytes_on_disk"] - 100_000
+        evict = run_cli(
+            "cache", "evict", "--cache-dir", cache_dir, "--max-bytes", str(keep), "--json"
+        )
+        assert json.loads(evict.stdout)["evicted"] > 0
+        assert json.loads(evict.stdout)["bytes"] <= keep
         clear = run_cli("cache", "clear", "--cache-dir", cache_dir, "--json")
         assert clear.returncode == 0
         assert (

@@ -246,7 +246,7 @@ def _cache(args: argparse.Namespace) -> int:
                     "bytes": used,
                     "bytes_on_disk": on_disk,  # what the budget counts: dead bytes too
                     "index_bytes": index,
-                    "disk_bytes": counted,  # all of it, as a budget of 64 MiB or more counts
+                    "disk_bytes": counted,  # all of it, as a budget counts it
                     "allocated_bytes": allocated,  # the file system's blocks, everything
                 },
                 args.json,
@@ -334,6 +334,7 @@ def bench_config(args: argparse.Namespace) -> E2EConfig:
 
 
 def _bench_components(args: argparse.Namespace) -> int:
+    from fastload.bench import cache_scale_bench
     from fastload.bench.components import (
         decode_bench,
         loader_bench,
@@ -354,6 +355,7 @@ def _bench_components(args: argparse.Namespace) -> int:
     loader = loader_bench.configured(loader, step_holds_gil=args.step_holds_gil)
     pq = parquet_bench.ParquetBenchConfig
     parquet = pq.quick() if quick else pq()
+    cache_scale = cache_scale_bench.CacheScaleBenchConfig.components(quick)
     benchmarks: list[tuple[str, Path, Callable[[Path], Report]]] = [
         ("reading cached bytes", data, lambda d: read_bench.run(d, read)),
         ("staging from a remote over HTTP", data / "stage", lambda d: stage_bench.run(d, stage)),
@@ -361,6 +363,11 @@ def _bench_components(args: argparse.Namespace) -> int:
             "cache policies on a shuffled dataset twice the budget",
             data / "policy",
             lambda d: policy_bench.run(d, policy),
+        ),
+        (
+            "the cache's CPU per publish and per eviction as it grows (full: scale benchmark)",
+            data / "cache_scale",
+            lambda d: cache_scale_bench.run(d, cache_scale),
         ),
         (
             "decoding JPEGs with the train and eval presets",
@@ -392,6 +399,8 @@ def _bench_components(args: argparse.Namespace) -> int:
         print(report.table())
         if report.name == "stage":
             print("\n".join(stage_bench.fastload_vs_peers(report)))
+        if report.name == "cache_scale":
+            print("\n".join(cache_scale_bench.target_lines(report)))
         for line in report.params.get("targets", []) if report.name == "parquet" else []:
             print(f"target: {line}")
         print(f"wrote {report.write_json(out)}\n", flush=True)
@@ -694,7 +703,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--phase-s", type=float, default=4.0, help="seconds per phase (default 4)")
     run.add_argument("--rank", type=int, help="this rank (default: torchrun's RANK, else 0)")
     run.add_argument("--world-size", type=positive_int, help="ranks in the job (GPUs paid for)")
-    run.add_argument("--local-world-size", type=positive_int, help="ranks on this node")
+    run.add_argument(
+        "--local-world-size",
+        type=positive_int,
+        help="ranks on this node: a loader process each is run at once and measured against "
+        "the prediction for the node's cores shared N ways",
+    )
     run.add_argument(
         "--latency-ms", type=_non_negative, default=20.0, help="the generated dataset's remote"
     )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastload.cache import Cache, Location, Policy
+from fastload.cache import BudgetCounts, Cache, Location, Policy
 from fastload.errors import RemoteNotFoundError
 from fastload.manifest import Manifest, RemoteObject, load_manifest
 from fastload.remote import integrity_error, open_filesystem, public_url, refuse_credentials
@@ -51,6 +51,7 @@ class StoreConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     max_bytes: int | None = None
     policy: Policy = "lru"
+    budget_counts: BudgetCounts = "disk"  # what max_bytes counts (fastload.cache.budget)
     refresh: bool = False
     ttl_s: float | None = None
     fetch: FetchConfig = field(default_factory=FetchConfig)
@@ -108,7 +109,11 @@ class CachedStore:
             return
         c = self.config
         self._cache = Cache(
-            c.cache_dir, max_bytes=c.max_bytes, policy=c.policy, verify_reads=c.verify_reads
+            c.cache_dir,
+            max_bytes=c.max_bytes,
+            policy=c.policy,
+            budget_counts=c.budget_counts,
+            verify_reads=c.verify_reads,
         )
         self._stager = None
         hold_bytes = c.fetch.hold_bytes

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastload.cache import PlanHint, Policy, default_cache_dir, range_url
+from fastload.cache import BudgetCounts, PlanHint, Policy, default_cache_dir, range_url
 from fastload.errors import RemoteError
 from fastload.manifest import install_snapshot
 from fastload.plan import DEFAULT_WINDOW_SHARDS, ResumeState
@@ -170,6 +170,7 @@ def warm(
     fetch: FetchConfig | None = None,
     share: NodeShare | None = None,
     format: str | None = None,
+    budget_counts: BudgetCounts = "disk",
 ) -> WarmReport:
     """Stages url's objects (or only ``keys``, in that order) into the cache.
 
@@ -189,7 +190,9 @@ def warm(
     Resumable: objects already cached (same version) are not fetched again. A permanent
     failure (not found, access refused, full disk) raises; transient failures that outlast
     their retries are counted in the report's ``failed`` and listed in ``failures``.
-    ``progress=None`` shows a bar when stderr is a terminal.
+    ``progress=None`` shows a bar when stderr is a terminal. ``max_bytes`` counts
+    everything the cache puts on disk (``budget_counts="entries"``: the entries' bytes
+    only, for tests and toys).
     """
     started = time.monotonic()
     if format is not None and (keys is not None or share is not None):
@@ -202,6 +205,7 @@ def warm(
         "storage_options": dict(storage_options or {}),
         "max_bytes": max_bytes,
         "policy": policy,
+        "budget_counts": budget_counts,
         "refresh": refresh,
         "ttl_s": ttl_s,
         "fetch": config,

@@ -21,23 +21,32 @@ it left half-written is removed by the next process that opens the cache; an ent
 is never evicted (readers hold a shared ``flock`` on its file, eviction needs an
 exclusive one).
 
-What ``max_bytes`` counts (``budget.py``): with a budget of 64 MiB or more, every file and
-folder under ``cache_dir`` by its allocated blocks: own files and whole segments (dead
-bytes included) by their length plus one block each, and the metadata measured from the
-file system (the index, its WAL, counted at its limit, and shared memory, ``fetch.lock``,
-``tmp/``, ``manifests/``, ``indexes/``, the folders), with index growth reserved per entry
-until the next measurement; ``fastload cache du`` reports the same count beside the file
-system's. A budget that cannot hold the metadata is refused with an error saying so. A
-budget under 64 MiB (tests, toys) counts the entries' bytes only: own files and whole
-segments. Parts being fetched may exceed the budget until they are published or turned
-away, or the next measurement.
+What ``max_bytes`` counts (``budget.py``), at every size: every file and folder under
+``cache_dir`` by its allocated blocks: own files and whole segments (dead bytes included)
+by their length plus one block each, and the metadata measured from the file system (the
+index with room to grow, its WAL, counted at its limit, which commits hold it to, and
+shared memory, ``fetch.lock``, ``tmp/``, ``manifests/``, ``indexes/``, the folders), with
+index growth reserved per entry until the next measurement; ``fastload cache du`` reports
+the same count beside the file system's. A budget that cannot hold the metadata (about
+8 MiB) is refused with an error naming the minimum. ``budget_counts="entries"`` (tests,
+toys) counts the entries' bytes only: own files and whole segments, not the disk. Parts
+being fetched may exceed the budget until they are published or turned away, or the next
+measurement.
 
 Policies (``core.py``): ``lru``, ``pin`` (keep what is cached, turn the rest away; dead
 bytes are won back by compaction) and ``plan`` (evict what the access order needs furthest
 ahead).
 """
 
-from fastload.cache.config import CACHE_DIR_ENV, POLICIES, CacheConfig, Policy, default_cache_dir
+from fastload.cache.config import (
+    BUDGET_COUNTS,
+    CACHE_DIR_ENV,
+    POLICIES,
+    BudgetCounts,
+    CacheConfig,
+    Policy,
+    default_cache_dir,
+)
 from fastload.cache.core import (
     Cache,
     PlanHint,
@@ -54,8 +63,10 @@ from fastload.cache.locks import FetchLock, FetchLocks
 from fastload.cache.storage import Location, PartFile
 
 __all__ = [
+    "BUDGET_COUNTS",
     "CACHE_DIR_ENV",
     "POLICIES",
+    "BudgetCounts",
     "Cache",
     "CacheConfig",
     "Entry",

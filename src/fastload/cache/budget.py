@@ -7,11 +7,15 @@ else under the cache directory is *metadata*, measured from the file system
 (``st_blocks * 512``): the index, its WAL and shared memory, ``fetch.lock``, ``tmp/`` (parts
 being fetched), ``manifests/`` (listings and derived layouts), ``indexes/`` (tar indexes)
 and the directories themselves. Metadata that must grow is reserved: the WAL is counted
-at its checkpoint limit however small it is now, and each entry published since the last
-measurement is charged ``ROW_BYTES`` (its index rows and directory entry) until the next.
+at ``WAL_RESERVE`` however small it is now (no write transaction starts with it past half
+that, and one transaction's pages fit the other half: ``index.py``), the index at its size
+and room to grow, and each entry published since the last measurement is charged
+``ROW_BYTES`` (its index rows and directory entry) until the next.
 
-A budget under ``DISK_BUDGET_MIN`` counts the entries' bytes only, as before format 3: the
-index's fixed cost (tens of KB) would be most of such a budget; those are tests and toys.
+One rule at every size: a budget that cannot hold the metadata (about 8 MiB for an empty
+cache: the WAL's and the index's reserves) is refused, naming the minimum. Tests and toys
+that want a budget of a few KB say ``budget_counts="entries"``: the entries' bytes only
+(own files and whole segments), which is not the disk.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from pathlib import Path
 
 from fastload.errors import CacheError
 
-DISK_BUDGET_MIN = 64 << 20
 WAL_BYTES = 1 << 20  # the index checkpoints its WAL about here and truncates it to this
 WAL_RESERVE = 4 * WAL_BYTES  # a WAL can outgrow its limit while readers hold old pages
 ROW_BYTES = 1024  # index pages and directory entries one entry may add (an upper bound)
@@ -33,10 +36,6 @@ INDEX_GROWTH_MIN = 4 << 20  # the index may grow with no entry added (uses move 
 _REMEASURE_S = 1.0
 _REMEASURE_ENTRIES = 1024
 _INDEX_FILES = ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm")
-
-
-def counts_disk(max_bytes: int | None) -> bool:
-    return max_bytes is not None and max_bytes >= DISK_BUDGET_MIN
 
 
 def block_size(directory: Path) -> int:
@@ -73,6 +72,7 @@ class Metadata:
         self._at = 0.0
         self._since = 0  # entries published since the measurement
         self._index_reserved = 0  # what the index is counted at: its size and room to grow
+        self.parts = 0  # of the measurement, what tmp/ held: parts being fetched, transient
 
     def measure(self) -> int:
         """Everything under the directory but the entries' own files and segments."""
@@ -96,6 +96,9 @@ class Metadata:
                     total += sum(e.stat().st_blocks * 512 for e in os.scandir(path))
             elif name == "segments":
                 total += allocated(path)
+            elif name == "tmp":
+                self.parts = allocated_under(path) - allocated(path)
+                total += allocated(path) + self.parts
             elif path.is_dir():
                 total += allocated_under(path)
             else:
@@ -114,11 +117,17 @@ class Metadata:
     def published(self, entries: int) -> None:
         self._since += entries
 
+    def lasting(self) -> int:
+        """:meth:`bytes` but the parts being fetched: what a budget must hold for good."""
+        return self.bytes() - self.parts
+
 
 def too_small(directory: Path, max_bytes: int, metadata: int) -> CacheError:
     return CacheError(
         errno.ENOSPC,
-        f"max_bytes {max_bytes:,} cannot hold even the cache's own metadata in {directory} "
-        f"({metadata:,} bytes: index, WAL, listings, tar indexes); give a larger max_bytes, "
-        "or `fastload cache clear` to drop listings and indexes",
+        f"max_bytes {max_bytes:,} cannot hold even the cache's own metadata in {directory}: "
+        f"it takes {metadata:,} bytes (index and its growth, WAL, listings, tar indexes); give "
+        f"max_bytes of at least {metadata:,} plus the data's size, `fastload cache clear` to "
+        'drop listings and indexes, or (tests, toys) budget_counts="entries" to count only '
+        "the entries' bytes, not the disk",
     )

@@ -21,7 +21,7 @@ from typing import TypeAlias
 import xxhash
 
 from fastload.cache import budget, compaction
-from fastload.cache.config import CacheConfig, Policy, default_cache_dir
+from fastload.cache.config import BudgetCounts, CacheConfig, Policy, default_cache_dir
 from fastload.cache.eviction import PlanRanking, Victim, lru_order, plan_order
 from fastload.cache.index import Entry, Index
 from fastload.cache.locks import FetchLock, FetchLocks
@@ -113,6 +113,10 @@ class _Publication:
 
 _LOW_WATER = 0.01  # one eviction may free this share of max_bytes beyond what is needed
 _EVICTION_ROUNDS = 8  # a round short only by victims gone since they were ranked is retried
+# Victims past what is needed stop here too: each dirties index pages of its own (a random
+# one in the primary key), and one transaction's pages must fit the WAL's room
+# (index.WAL_START_MAX: 2 MiB, some 500 pages).
+_LOW_WATER_VICTIMS = 128
 
 
 def _same_bytes(a: Entry, b: Entry) -> bool:
@@ -134,6 +138,7 @@ class Cache:
         *,
         max_bytes: int | None = None,
         policy: Policy = "lru",
+        budget_counts: BudgetCounts = "disk",
         lock_timeout_s: float = 600.0,
         fsync: bool = False,
         segment_bytes: int | None = None,
@@ -143,11 +148,13 @@ class Cache:
         """``create=False`` opens only an existing cache (a CacheError names the folder
         otherwise), for tools that inspect one rather than fill it. ``verify_reads=False``
         trusts cached bytes on read (see read_checks.py; ``fastload cache verify`` still
-        checks them)."""
+        checks them). ``budget_counts``: what ``max_bytes`` counts (budget.py): everything
+        on disk, or (``"entries"``: tests, toys) the entries' bytes only."""
         self.config = CacheConfig(
             cache_dir=Path(cache_dir) if cache_dir is not None else default_cache_dir(),
             max_bytes=max_bytes,
             policy=policy,
+            budget_counts=budget_counts,
             lock_timeout_s=lock_timeout_s,
             fsync=fsync,
             segment_bytes=segment_bytes,
@@ -171,12 +178,12 @@ class Cache:
             ) from exc
         self.fetch_locks = FetchLocks.for_path(self.dir / "fetch.lock")
         self.index = Index(self.dir)
-        # What the budget counts (budget.py): everything on disk, or (toy budgets) entries.
-        self.counts_disk = budget.counts_disk(max_bytes)
+        # What the budget counts (budget.py): everything on disk, or (tests, toys) entries.
+        self.counts_disk = budget_counts == "disk"
         self._block = budget.block_size(self.dir) if self.counts_disk else 0
         self.metadata = budget.Metadata(self.dir)
-        if max_bytes is not None and self.counts_disk and self.metadata.bytes() >= max_bytes:
-            overhead = self.metadata.bytes()
+        overhead = self.metadata.lasting() if self.counts_disk else 0
+        if max_bytes is not None and self.counts_disk and overhead >= max_bytes:
             self.index.close()
             raise budget.too_small(self.dir, max_bytes, overhead)
         self._lock = self.index.lock  # serializes this process's writes
@@ -209,14 +216,14 @@ class Cache:
         return self.index.entries()
 
     def used_bytes(self) -> int:
-        """What the budget counts (budget.py): under a budget of 64 MiB or more, everything
-        on disk (entries by their blocks, and the metadata); else the entries' bytes: own
-        files, and segments whole (dead bytes included)."""
+        """What the budget counts (budget.py): everything on disk (entries by their blocks,
+        and the metadata); with ``budget_counts="entries"``, the entries' bytes: own files,
+        and segments whole (dead bytes included)."""
         return self.disk_bytes() if self.counts_disk else self.index.used_bytes()
 
     def disk_bytes(self) -> int:
-        """Everything the cache has on disk as a budget of 64 MiB or more counts it: the
-        entries, a block more per file, and the metadata measured (budget.py)."""
+        """Everything the cache has on disk as the budget counts it: the entries, a block
+        more per file, and the metadata measured (budget.py)."""
         index, block = self.index, self._block or budget.block_size(self.dir)
         return index.used_bytes() + index.file_count() * block + self.metadata.bytes()
 
@@ -511,8 +518,8 @@ class Cache:
     def _make_room(self, db: sqlite3.Connection, oid: str, size: int, queued: int = 0) -> bool:
         """Evicts by policy until size more bytes fit (after ``queued`` bytes admitted
         earlier in the same batch), and then on down to a low-water mark (up to 1% of
-        max_bytes more, in victim order) so the next publishes need no eviction: its cost
-        is shared by many publishes."""
+        max_bytes more, and _LOW_WATER_VICTIMS victims, in victim order) so the next
+        publishes need no eviction: its cost is shared by many publishes."""
         max_bytes = self.config.max_bytes
         if max_bytes is None:
             return True
@@ -521,7 +528,8 @@ class Cache:
             return True
         if size + self._charge(0) > max_bytes:
             return False
-        if self.counts_disk and (overhead := self.metadata.bytes()) >= max_bytes:
+        # (parts being fetched, in tmp/, make eviction free more, but never refuse a budget)
+        if self.counts_disk and (overhead := self.metadata.lasting()) >= max_bytes:
             raise budget.too_small(self.dir, max_bytes, overhead)
         if self.config.policy == "pin":
             # Nothing cached is given up; space dead inside segments is won back instead.
@@ -546,7 +554,10 @@ class Cache:
         freed = 0
         try:
             for victim in self._victims(db, oid):
-                if freed >= need and freed + self._charge(victim.size) > need + slack:
+                if freed >= need and (
+                    freed + self._charge(victim.size) > need + slack
+                    or len(chosen) >= _LOW_WATER_VICTIMS
+                ):
                     break
                 fd = self.storage.lock_unused(self._victim_path(victim))
                 if fd is None:
@@ -579,13 +590,19 @@ class Cache:
 
     def _overshoot(self, db: sqlite3.Connection, oid: str, size: int, max_bytes: int) -> int:
         """By how much publishing size bytes as oid would exceed max_bytes (<= 0: it fits)."""
-        old = Index.own_file_size(db, oid)
+        old, total, files = Index.budget_state(db, oid)  # asked on every publish: one query
         replacing = 0 if old is None else self._charge(old)
-        total, files = Index.totals(db)
+        added = self._charge(size) + budget.ROW_BYTES if self.counts_disk else size
+        return self._count(total, files) - replacing + added - max_bytes
+
+    def _counted(self, db: sqlite3.Connection) -> int:
+        """:meth:`used_bytes` inside a transaction."""
+        return self._count(*Index.totals(db))
+
+    def _count(self, total: int, files: int) -> int:
         if not self.counts_disk:
-            return total - replacing + size - max_bytes
-        on_disk = total + files * self._block + self.metadata.bytes()
-        return on_disk - replacing + self._charge(size) + budget.ROW_BYTES - max_bytes
+            return total
+        return total + files * self._block + self.metadata.bytes()
 
     def _victim_path(self, victim: Victim) -> str:
         if victim.kind == "segment":
@@ -751,12 +768,13 @@ class Cache:
 
     def evict(self, *, to_bytes: int = 0) -> int:
         """Evicts unused entries, least recently used first (a segment whole, as one), until
-        at most to_bytes remain on disk; returns how many entries were removed."""
+        the budget counts at most to_bytes (:meth:`used_bytes`); returns how many entries
+        were removed."""
         removed = 0
         with self.index.transaction() as db:
             self.index.write_uses(db)
             for kind, key, _ in lru_order(db, ""):
-                if Index.total(db) <= to_bytes:
+                if self._counted(db) <= to_bytes:
                     break
                 if kind == "segment":
                     assert isinstance(key, int)

@@ -47,8 +47,12 @@ from fastload.errors import CacheError
 FORMAT_VERSION = 3
 _CONNECT_TIMEOUT_S = 60.0
 _CHECKPOINT_WAIT_MS = 200  # how long a commit waits to reset a grown WAL (then: later)
-_CHECKPOINT_LONG_WAIT_MS = 5000  # ... and for a WAL 4x past its reserve
-_RECENCY_FLUSH = 256  # uses buffered in memory before they are written to the index
+# A write transaction starts only with the WAL at most this long, so one transaction's
+# pages (an eviction is capped to fit: core.py) keep it within the reserve the budget
+# counts it at (budget.py).
+WAL_START_MAX = WAL_RESERVE // 2
+_START_WAIT_MS = 1000  # per try to reset a WAL past WAL_START_MAX before a transaction
+_RECENCY_FLUSH = 128  # uses buffered before they are written: ~3 pages each, within the WAL room
 _COLUMNS = "id, url, size, checksum, version, created, last_use, segment, position, start"
 
 _TABLES = """
@@ -250,7 +254,7 @@ class Index:
         with self.lock:
             db = self.writer()
             try:
-                db.execute("BEGIN IMMEDIATE")
+                self._begin(db)
                 try:
                     yield db
                 except BaseException:
@@ -268,27 +272,44 @@ class Index:
                     ) from exc
                 raise CacheError(errno.EIO, f"cache index {self.path}: {exc}") from exc
 
-    def _bound_wal(self, db: sqlite3.Connection) -> None:
-        """Resets a WAL grown past half the budget's reserve for it. The automatic
-        checkpoint (passive) never resets a WAL that other processes keep reading and
-        writing: four processes publishing at once grew it to 40 MB against its 1 MB
-        limit, over max_bytes. A TRUNCATE checkpoint waits (the busy timeout) for readers
-        on older snapshots, then empties it."""
+    def _begin(self, db: sqlite3.Connection) -> None:
+        """BEGIN IMMEDIATE, with the WAL no longer than WAL_START_MAX. The WAL is sized
+        under the write lock (no other process appends meanwhile); past it, the lock is let
+        go and the WAL reset first, waiting for readers. Every process's next transaction
+        does the same, so nothing appends until one reset is done: with a brief try after
+        commits alone, four processes publishing at once still saw the WAL spike to tens
+        of MB between two resets, 13 MB past max_bytes."""
+        deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+        while True:
+            db.execute("BEGIN IMMEDIATE")
+            if self.wal_bytes() <= WAL_START_MAX or time.monotonic() > deadline:
+                return  # past the deadline (a reader held a snapshot a minute): go on
+            db.execute("ROLLBACK")
+            self._checkpoint(db, _START_WAIT_MS)
+
+    def wal_bytes(self) -> int:
         try:
-            size = os.stat(f"{self.path}-wal").st_size
+            return os.stat(f"{self.path}-wal").st_size
         except OSError:
-            return
-        if size > WAL_RESERVE // 2:
-            # Waiting briefly: a publisher must not stall behind a long reader. But on a
-            # loaded machine a reader descheduled mid-read outlasts a brief wait at every
-            # commit (the WAL passed 64 MB at load 10 on 2 cores): far over, wait longer.
-            wait_ms = _CHECKPOINT_WAIT_MS if size < 4 * WAL_RESERVE else _CHECKPOINT_LONG_WAIT_MS
-            db.execute(f"PRAGMA busy_timeout={wait_ms}")
-            try:
-                with contextlib.suppress(sqlite3.OperationalError):  # busy: the next commit
-                    db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-            finally:
-                db.execute(f"PRAGMA busy_timeout={int(_CONNECT_TIMEOUT_S * 1000)}")
+            return 0
+
+    def _bound_wal(self, db: sqlite3.Connection) -> None:
+        """Resets a WAL grown past WAL_START_MAX after a commit, waiting briefly (a
+        publisher must not stall behind a long reader: a WAL still long is reset before
+        the next transaction, see _begin). The automatic checkpoint (passive) never resets
+        a WAL that other processes keep reading and writing; a TRUNCATE checkpoint waits
+        (the busy timeout) for readers on older snapshots, then empties it."""
+        if self.wal_bytes() > WAL_START_MAX:
+            self._checkpoint(db, _CHECKPOINT_WAIT_MS)
+
+    @staticmethod
+    def _checkpoint(db: sqlite3.Connection, wait_ms: int) -> None:
+        db.execute(f"PRAGMA busy_timeout={wait_ms}")
+        try:
+            with contextlib.suppress(sqlite3.OperationalError):  # busy: tried again later
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            db.execute(f"PRAGMA busy_timeout={int(_CONNECT_TIMEOUT_S * 1000)}")
 
     def close(self) -> None:
         if self._db_pid == os.getpid():
@@ -384,12 +405,16 @@ class Index:
         return int(found["bytes"]), int(found["files"])
 
     @staticmethod
-    def own_file_size(db: sqlite3.Connection, oid: str) -> int | None:
-        """The size of oid's entry if it is an own file (None if absent or packed)."""
-        found = db.execute(
-            "SELECT size FROM objects WHERE id = ? AND segment IS NULL", (oid,)
+    def budget_state(db: sqlite3.Connection, oid: str) -> tuple[int | None, int, int]:
+        """(the size of oid's entry if it is an own file, else None; bytes; files) in one
+        query: a publish's budget check."""
+        size, nbytes, files = db.execute(
+            "SELECT (SELECT size FROM objects WHERE id = ? AND segment IS NULL),"
+            " (SELECT value FROM totals WHERE name = 'bytes'),"
+            " (SELECT value FROM totals WHERE name = 'files')",
+            (oid,),
         ).fetchone()
-        return None if found is None else int(found[0])
+        return (None if size is None else int(size)), int(nbytes), int(files)
 
     @staticmethod
     def add_to_total(db: sqlite3.Connection, nbytes: int, files: int = 0) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from fastload.cache import Policy
+from fastload.cache import BudgetCounts, Policy
 from fastload.datasets.base import DatasetError, ShardedDataset
 from fastload.datasets.columns import ends_with, key_tails, slashes
 from fastload.datasets.folder import (
@@ -133,6 +133,7 @@ def open_dataset(
     ttl_s: float | None = None,
     fetch: FetchConfig | None = None,
     verify_reads: bool = True,
+    budget_counts: BudgetCounts = "disk",
     **format_options: Any,
 ) -> ShardedDataset:
     """A map-style dataset over url whose samples are read through the local cache.
@@ -141,7 +142,8 @@ def open_dataset(
     Zarr). The dataset knows its shards (``shard_sizes``, ``shard_keys``).
     ``verify_reads=False`` trusts cached bytes instead of checking each read against the
     checksum recorded at publish (a few % of a decoding epoch; more where nothing else is
-    done with the bytes: see the README).
+    done with the bytes: see the README). ``max_bytes`` counts everything the cache puts
+    on disk; ``budget_counts="entries"`` counts the entries' bytes only (tests, toys).
     """
     if format not in formats():
         raise ValueError(f"format must be one of {', '.join(formats())}, got {format!r}")
@@ -152,6 +154,7 @@ def open_dataset(
             storage_options=dict(storage_options or {}),
             max_bytes=max_bytes,
             policy=policy,
+            budget_counts=budget_counts,
             refresh=refresh,
             ttl_s=ttl_s,
             fetch=fetch or FetchConfig(),

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from fastload.datasets.base import ShardedDataset
-from fastload.diagnosis import cache_advice, measure, predict
+from fastload.diagnosis import cache_advice, measure, node_ranks, predict
 from fastload.diagnosis.measure import PhaseProgress
 from fastload.diagnosis.prices import SPOT_DISCOUNT, Price, price_for
-from fastload.diagnosis.report import SCHEMA_VERSION, Applied, Fix, Phase, Report
+from fastload.diagnosis.report import SCHEMA_VERSION, Applied, Fix, Phase, Ranks, Report
 from fastload.diagnosis.steps import Step, model_step
 from fastload.errors import FastloadError
 from fastload.resources import container_note, resources, usable_cpus
@@ -80,6 +80,7 @@ def doctor(
     rank: int | None = None,
     world_size: int | None = None,
     local_world_size: int | None = None,
+    measure_ranks: bool | None = None,
     progress: bool | None = None,
     format: str = "auto",
     cache_dir: str | None = None,
@@ -99,6 +100,10 @@ def doctor(
     hold the measured samples). ``apply``: re-measure with each fix that runs here applied
     (``report.applied_fixes``; ``report.applied`` is the top one). ``usd_per_gb``: the
     remote's price per GB read, for the cache advice's cost of an epoch.
+    ``measure_ranks``: with a local world size above 1, run a loader process per rank of
+    the node at once and measure each rank's rate against the prediction
+    (``report.ranks``); None: when ``local_world_size`` is given here (not when it comes
+    from ``LOCAL_WORLD_SIZE``: each rank of a running job would start N more).
     """
     started = time.perf_counter()
     if phase_s <= 0:
@@ -135,6 +140,11 @@ def doctor(
             if apply:
                 report.applied_fixes = diagnosis.apply_all(report)
                 report.applied = report.applied_fixes[0] if report.applied_fixes else None
+            if measure_ranks is None:
+                measure_ranks = local_world_size is not None
+            if measure_ranks and diagnosis.lws > 1:
+                report.ranks = diagnosis.measure_ranks(_step_spec(the_step, model, step))
+                _note_ranks(report)
         report.budget_s = round(time.perf_counter() - started, 3)
         return report
     finally:
@@ -417,6 +427,48 @@ class _Diagnosis:
             notes=self.notes,
         )
 
+    def measure_ranks(self, step: tuple[Any, ...] | None) -> Ranks:
+        """A loader process per rank of this node, all at once, each over its rank's
+        first batches of epoch 0 from a warm temporary cache, against the model's rate for
+        a rank with the node's cores over the local world size."""
+        m = self.measured()
+        model = predict.Model(m)
+        predicted = self.batch_size / predict.current_s(m, model, m.train)
+        ranks, world = node_ranks.node_ranks(self.rank, self.world_size, self.lws)
+        if step is None:
+            return node_ranks.not_measured(
+                ranks,
+                predicted_samples_per_s=predicted,
+                alone_samples_per_s=self.phases["train"].samples_per_s,
+                cores_per_rank=self.cores / self.lws,
+                why="the step is a function that does not pickle: pass step_ms (or model) "
+                "to measure the node's ranks",
+            )
+        target = self._temporary_cache()
+        jobs = []
+        for local, rank in enumerate(ranks):
+            order = _rank_order(self.dataset, rank, world, self.settings)
+            _stage(target, order)
+            jobs.append(
+                node_ranks.RankJob(
+                    rank=rank,
+                    world_size=world,
+                    local_rank=local,
+                    local_world_size=self.lws,
+                    dataset=target,
+                    indices=measure.repeated(order, measure.MAX_WARM_BATCHES, self.batch_size),
+                    settings=self.settings,
+                    step=step,
+                    phase_s=self.phase_s,
+                )
+            )
+        return node_ranks.run(
+            jobs,
+            predicted_samples_per_s=predicted,
+            alone_samples_per_s=self.phases["train"].samples_per_s,
+            cores_per_rank=self.cores / self.lws,
+        )
+
     def _dali_rate(self) -> float | None:
         """The loader alone with DALI decoding on the GPU: what decode="dali" would deliver;
         None (with a note) where there is no GPU or no DALI to measure it."""
@@ -519,6 +571,8 @@ class _Diagnosis:
             cache_dir=str(where),
             max_bytes=max_bytes,
             policy=policy,  # type: ignore[arg-type]  # one of POLICIES: the store's own, or a fix's
+            # a trial of a budget share for the data: the entries' bytes, not the metadata
+            budget_counts="entries",
             refresh=False,
         )
         clone = copy.copy(self.dataset)
@@ -633,6 +687,46 @@ def _step(
             + ("holding the GIL" if holds_gil else "that leaves the GIL free")
         )
     return Step("gil" if holds_gil else "sleep", step_ms / 1000)
+
+
+def _step_spec(
+    step: Step, model: str | None, fn: Callable[[Any], object] | None
+) -> tuple[Any, ...] | None:
+    """How a rank process builds the same step (rank_process.build_step); None where it
+    cannot (a function that does not pickle)."""
+    if step.kind in ("sleep", "gil"):
+        return (step.kind, step.seconds)
+    if step.kind == "model" and model is not None:
+        run = step.fn
+        return (
+            "model",
+            model,
+            getattr(run, "batch_size", 1),
+            str(getattr(run, "device", "cpu")),
+            getattr(run, "image_size", 224),
+        )
+    import pickle
+
+    try:
+        pickle.dumps(fn)
+    except Exception:
+        return None
+    return ("callable", fn)
+
+
+def _note_ranks(report: Report) -> None:
+    ranks = report.ranks
+    if ranks is None:
+        return
+    if ranks.skipped is not None:
+        report.notes.append(f"the node's ranks were not measured: {ranks.skipped}")
+        return
+    measured = ", ".join(f"{x:,.0f}" for x in ranks.measured_samples_per_s)
+    report.notes.append(
+        f"{ranks.local_world_size} ranks measured at once, a loader process each: "
+        f"{measured} samples/s per rank against {ranks.predicted_samples_per_s:,.0f} "
+        f"predicted ({ranks.error:+.0%}; {ranks.alone_samples_per_s:,.0f} alone)"
+    )
 
 
 def _rank_order(

@@ -307,10 +307,26 @@ def _cache_lines(report: Report) -> list[str]:
     return _wrap(f"{head} — {advice['why']}")
 
 
+def _ranks_lines(report: Report) -> list[str]:
+    ranks = report.ranks
+    if ranks is None or ranks.skipped is not None:
+        return []  # (a skip is among the notes)
+    each = ", ".join(_rate(x) for x in ranks.measured_samples_per_s)
+    return _wrap(
+        f"{ranks.local_world_size} ranks on the node, a loader process each "
+        f"({ranks.cores_per_rank:g} core{'' if ranks.cores_per_rank == 1 else 's'} a rank): "
+        f"predicted "
+        f"{_rate(ranks.predicted_samples_per_s)} samples/s per rank, measured {each} "
+        f"({ranks.error * 100:+.1f}%; alone {_rate(ranks.alone_samples_per_s)}; the ranks "
+        f"overlapped {_percent(ranks.overlap)} of the time)"
+    )
+
+
 def table(report: Report) -> str:
     """The short terminal report: what ran, the phases, the verdict, the fixes, the notes."""
     lines = _headline(report) + _phase_table(report) + _verdict_lines(report)
     lines += _fix_lines(report) + _applied_line(report) + _cache_lines(report)
+    lines += _ranks_lines(report)
     if report.chart:
         lines.append(f"chart: {report.chart}")
     if report.budget_s > 0:

@@ -12,6 +12,8 @@ Schema (``SCHEMA_VERSION``; fields are added, never renamed or removed, within a
 - ``applied``: with ``--apply``, the top applicable fix re-measured: predicted vs measured;
   ``applied_fixes``: every applicable fix re-measured, the top one first.
 - ``cache``: the cache's budget and policy for this node's disk and share (``cache_advice``).
+- ``ranks``: with a local world size above 1, a loader process per rank of the node run at
+  once: each rank's measured samples/s against the one-process model's prediction.
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ class Applied:
 
 
 @dataclass
+class Ranks:
+    """The node's ranks measured: a loader process per rank, all at once, each reading its
+    rank's share with the step, against what the one-process phases predicted for a rank
+    with the node's cores over its local world size."""
+
+    local_world_size: int
+    ranks: list[int]  # the node's ranks, as the job numbers them
+    cores_per_rank: float
+    predicted_samples_per_s: float  # each rank's, from the one-process model
+    measured_samples_per_s: list[float]  # each rank's, measured in its own process
+    alone_samples_per_s: float  # one process with the node to itself (the train phase)
+    error: float  # the ranks' mean measured / predicted - 1
+    overlap: float  # the share of the ranks' measured time they all ran at once
+    phases: list[Phase] = field(default_factory=list)
+    skipped: str | None = None  # why the ranks were not measured
+
+
+@dataclass
 class Verdict:
     utilization: float  # the share of the time the step runs (1.0: never waits)
     samples_per_s: float  # this rank's
@@ -112,6 +132,7 @@ class Report:
     applied: Applied | None = None
     applied_fixes: list[Applied] = field(default_factory=list)
     cache: dict[str, Any] | None = None
+    ranks: Ranks | None = None
     notes: list[str] = field(default_factory=list)
     budget_s: float = 0.0  # the diagnosis's own wall time
     chart: str | None = None  # path of the PNG, when written

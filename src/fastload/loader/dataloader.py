@@ -920,7 +920,7 @@ class _Iteration:
         self._stats.add("wait", done - now)
         self._returned_at = done
         if self._loader._autotune is not None:
-            tuning.follow(self._loader._autotune, self._loader, self._source, now, done)
+            tuning.follow(self._loader._autotune, self._loader, self._source, now, done, batch)
         return batch
 
     def _finish(self) -> None:

@@ -34,6 +34,11 @@ class LoaderStats:
         with self._lock:
             self._counts[name] += n
 
+    def counted(self, name: str) -> int:
+        """One count so far: a cheap read for a caller on every batch."""
+        with self._lock:
+            return self._counts.get(name, 0)
+
     @contextlib.contextmanager
     def timed(self, stage: str, count: int = 1) -> Iterator[None]:
         start = time.perf_counter()

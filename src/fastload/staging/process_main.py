@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         c.cache_dir,
         max_bytes=c.max_bytes,
         policy=c.policy,
+        budget_counts=c.budget_counts,
         lock_timeout_s=c.lock_timeout_s,
         fsync=c.fsync,
     )

@@ -164,12 +164,13 @@ def run(data_dir: str | os.PathLike[str], config: BudgetBenchConfig | None = Non
     data_dir = Path(data_dir)
     root = data_dir / "remote"
     nbytes = generate(root, config)
-    budget = int(nbytes * config.budget_fraction)
+    # A share of the data's bytes: the budget counts the entries (the metadata aside).
+    budget = {"max_bytes": int(nbytes * config.budget_fraction), "budget_counts": "entries"}
     systems: dict[str, dict[str, Any]] = {
         ALL_CACHED: {},
-        PIN_HELD: {"max_bytes": budget, "policy": "pin"},
-        PIN_UNHELD: {"max_bytes": budget, "policy": "pin", "fetch": FetchConfig(hold_bytes=0)},
-        LRU: {"max_bytes": budget, "policy": "lru"},
+        PIN_HELD: {**budget, "policy": "pin"},
+        PIN_UNHELD: {**budget, "policy": "pin", "fetch": FetchConfig(hold_bytes=0)},
+        LRU: {**budget, "policy": "lru"},
     }
     rows = []
     case = (
@@ -211,7 +212,8 @@ def run(data_dir: str | os.PathLike[str], config: BudgetBenchConfig | None = Non
         params={
             **asdict(config),
             "dataset_bytes": nbytes,
-            "max_bytes": budget,
+            "max_bytes": budget["max_bytes"],
+            "budget_counts": "entries",
             "server": "S3FolderServer in its own process",
         },
     )

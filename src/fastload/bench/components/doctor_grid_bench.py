@@ -12,6 +12,11 @@ error (measured / predicted - 1). Figures: median, p90 and worst |error| per fix
 how often the top fix is the one with the largest measured gain; the verdict's
 confidence. Written as JSON lines as each configuration ends (a cut-short run keeps what
 it measured).
+
+The verdict's stability (``verdict_repeats``): each configuration diagnosed that many more
+times without ``--apply`` (the phases only, of ``verdict_phase_s``), one after another on
+the same machine; per configuration the share of runs naming the most common bottleneck,
+and how many configurations name the same one in at least 9 of 10 runs (the target).
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ class GridBenchConfig:
     seed: int | None = None  # None: the held-out seed, from the grid's commit
     points: int | None = None  # the first this many of the grid (None: all)
     phase_s: float = 1.5
-    repeats: int = 1  # runs of each configuration (the verdict's stability)
+    repeats: int = 1  # runs of each configuration with every fix applied (0: none)
+    verdict_repeats: int = 0  # runs of each configuration's diagnosis alone (its stability)
+    verdict_phase_s: float | None = None  # their phases' seconds (None: phase_s)
     development: bool = False  # the development grid (DEVELOPMENT_SEED) instead
     cache: str | None = None  # only the configurations with this cache state
 
@@ -64,8 +71,11 @@ def resolve_seed(config: GridBenchConfig) -> tuple[int, str]:
     return seed_of_commit(commit), f"commit {commit[:12]}"
 
 
-def run_point(point: GridPoint, work: Path, phase_s: float) -> dict[str, Any]:
-    """One configuration's diagnosis with every fix applied: its record."""
+def run_point(
+    point: GridPoint, work: Path, phase_s: float, *, apply: bool = True
+) -> dict[str, Any]:
+    """One configuration's diagnosis (with every fix applied, unless not ``apply``): its
+    record."""
     from fastload.bench.doctor_data import builtin_remote
     from fastload.diagnosis import doctor
 
@@ -95,7 +105,7 @@ def run_point(point: GridPoint, work: Path, phase_s: float) -> dict[str, Any]:
             step_ms=point.step_ms,
             step_holds_gil=point.holds_gil,
             cold=point.cache == "cold",
-            apply=True,
+            apply=apply,
         )
     shutil.rmtree(cache, ignore_errors=True)
     now = report.verdict.samples_per_s
@@ -180,6 +190,29 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def stability(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per configuration, the bottlenecks its repeated diagnoses named and the share that
+    named the most common one; overall, the configurations at 9 of 10 or better."""
+    named: dict[str, list[str]] = {}
+    for r in records:
+        named.setdefault(r["name"], []).append(r["bottleneck"])
+    shares = {name: round(max(v.count(x) for x in v) / len(v), 3) for name, v in named.items()}
+    per = {
+        name: {
+            "runs": len(v),
+            "named": {x: v.count(x) for x in sorted(set(v))},
+            "identical": shares[name],
+        }
+        for name, v in named.items()
+    }
+    return {
+        "configurations": len(per),
+        "stable_9_of_10": sum(x >= 0.9 for x in shares.values()),
+        "mean_identical": round(float(np.mean(list(shares.values()))), 3) if shares else None,
+        "per_configuration": per,
+    }
+
+
 def lines(summary: dict[str, Any]) -> list[str]:
     out = [
         f"{summary['configurations']} configurations, {summary['runs']} runs; top fix = best "
@@ -190,6 +223,15 @@ def lines(summary: dict[str, Any]) -> list[str]:
     out.append(f"{'fix':<18}{'n':>4}{'median':>9}{'p90':>9}{'worst':>9}")
     for fix, e in summary["errors"].items():
         out.append(f"{fix:<18}{e['n']:>4}{e['median']:>9.1%}{e['p90']:>9.1%}{e['worst']:>9.1%}")
+    held = summary.get("verdict_stability")
+    if held:
+        out.append(
+            f"verdict identical in >= 9 of 10 runs: {held['stable_9_of_10']} of "
+            f"{held['configurations']} configurations (mean share {held['mean_identical']})"
+        )
+        for name, p in held["per_configuration"].items():
+            named = ", ".join(f"{k} {n}" for k, n in p["named"].items())
+            out.append(f"  {name:<32} {p['identical']:.0%} of {p['runs']}: {named}")
     return out
 
 
@@ -212,7 +254,21 @@ def run(out_dir: str | os.PathLike[str], config: GridBenchConfig) -> dict[str, A
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 print(_point_line(record), flush=True)
+    verdicts: list[dict[str, Any]] = []
+    if config.verdict_repeats:
+        phase_s = config.verdict_phase_s or config.phase_s
+        with (out / f"doctor-verdicts-{seed}.jsonl").open("w") as f:
+            for point in points:
+                for _ in range(config.verdict_repeats):
+                    record = run_point(point, work, phase_s, apply=False)
+                    record["load1"] = os.getloadavg()[0]
+                    verdicts.append(record)
+                    f.write(json.dumps(record) + "\n")
+                    f.flush()
+                    print(_point_line(record), flush=True)
     summary = {"seed": seed, "seed_from": source, **summarize(records)}
+    if verdicts:
+        summary["verdict_stability"] = stability(verdicts)
     (out / f"doctor-grid-{seed}.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -135,7 +135,10 @@ def simulate(
 ) -> list[EpochResult]:
     """Every epoch's accesses through a fresh cache of the budget, under policy."""
     results = []
-    with Cache(cache_dir, max_bytes=config.budget_bytes, policy=policy) as cache:
+    # a share of the data's bytes: the budget counts the entries (the metadata aside)
+    with Cache(
+        cache_dir, max_bytes=config.budget_bytes, policy=policy, budget_counts="entries"
+    ) as cache:
         if policy == "plan":
             cache.plan = PlanHint([url for order in orders for url in order])
         for order in orders:
