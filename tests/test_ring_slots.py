@@ -142,3 +142,54 @@ def test_batches_the_consumer_holds_are_intact_after_twenty_more() -> None:
         for k, (images, label) in enumerate(held):
             assert torch.equal(images, images_for(k)), k
             assert int(label) == k
+
+
+class HeldEvent(LateEvent):
+    """An event whose copy runs only when the test synchronizes."""
+
+    def query(self) -> bool:
+        return self.pending is None
+
+
+class HeldEngine(LateEngine):
+    def event(self) -> LateEvent:
+        event = HeldEvent()
+        self.events.append(event)
+        return event
+
+
+def test_a_lowered_limit_frees_the_free_slots_now_and_busy_ones_once_copied() -> None:
+    """limit_slots (a loader whose prefetch depth came down): free slots over the limit
+    leave at once, a slot holding a batch when its batch is taken, and its memory only once
+    its copy completed; the batches after it go through the slots that stay, intact."""
+    engine = HeldEngine()
+    with DeviceRing("cpu", slots=4, engine=engine) as ring:
+        # Every slot carries a batch: each holds a batch's memory.
+        outs = [ring.get(ring.put({"images": images_for(k)})) for k in range(4)]
+        engine.synchronize()
+        held = ring.stats()["slot_bytes_held"]
+        assert ring.stats()["slots"] == 4
+        pending = ring.put({"images": images_for(4)})  # its copy still running
+        ring.limit_slots(2)
+        stats = ring.stats()
+        assert stats["slots"] == 2  # two free ones left at once, the busy one stays
+        assert stats["slots_taken_out"] == 2
+        assert stats["slot_bytes_held"] == held // 2
+        second = ring.put({"images": images_for(5)})  # both slots busy now
+        ring.limit_slots(1)  # one must go, but only once its batch is taken and copied
+        assert ring.stats()["slots"] == 2
+        outs.append(ring.get(pending))
+        assert ring.stats()["slots"] == 1
+        assert ring.stats()["slot_bytes_held"] == held // 2  # its copy has not completed
+        engine.synchronize()
+        assert ring.stats()["slot_bytes_held"] == held // 4
+        outs.append(ring.get(second))
+        for k in range(6, 12):
+            engine.synchronize()  # (a held copy completes only here)
+            outs.append(ring.get(ring.put({"images": images_for(k)})))
+        engine.synchronize()
+        assert len(ring.slot_buffers()) == 1
+        for k, out in enumerate(outs):
+            assert torch.equal(out["images"], images_for(k)), k
+        ring.limit_slots(3)  # never more than before
+        assert ring.stats()["slots"] == 1

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from fastload.loader import prefetch_memory
 from fastload.resources import usable_cpus
 
 log = logging.getLogger("fastload.autotune")
@@ -60,6 +61,9 @@ class Bounds:
     max_prefetch: int = 32
     max_lookahead_bytes: int = 4 << 30
     max_memory_bytes: int | None = None  # batches in flight and bytes staged ahead
+    # Batches prefetched and the one the step holds (from_setting's default: the share of the
+    # cgroup's memory.max that the untuned depth fits, prefetch_memory; None: no limit).
+    max_prefetch_bytes: int | None = None
     window_batches: int = 8  # batches per measured window, at least
     window_s: float = 0.5  # seconds of the loop per window, at least
     gain: float = 1.05  # a move is kept where the rate improves by this factor
@@ -76,6 +80,7 @@ class Bounds:
                 f"got {sorted(unknown)}"
             )
         given.setdefault("max_workers", usable_cpus())  # the container's
+        given.setdefault("max_prefetch_bytes", prefetch_memory.memory_share_bytes())
         bounds = cls(**given)
         counts = (bounds.max_workers, bounds.max_prefetch, bounds.window_batches)
         if min(counts) < 1 or bounds.trial_windows < 1:
@@ -375,6 +380,27 @@ def make(setting: bool | Mapping[str, Any], loader: Any) -> Autotuner | None:
         batch_size=batch,
         fetched=lambda: stats.counted("bytes_fetched"),
     )
+
+
+def fit_memory(tuner: Autotuner, batch_bytes: int, floor: int = 1) -> None:
+    """``max_prefetch_bytes`` for batches of ``batch_bytes`` (an estimate, then what a pass's
+    first batch held: it only grows): the deepest prefetch becomes the depth whose batches,
+    and the one the step holds, fit it (``prefetch_memory.depth_within``), never below
+    ``floor`` (a depth the user gave); knobs above it come down to it."""
+    b = tuner.bounds
+    deepest = max(
+        floor, prefetch_memory.depth_within(b.max_prefetch, batch_bytes, b.max_prefetch_bytes)
+    )
+    if deepest >= b.max_prefetch:
+        return
+    tuner.bounds = replace(b, max_prefetch=deepest)
+
+    def lowered(k: Knobs) -> Knobs:
+        return replace(k, prefetch_batches=min(k.prefetch_batches, deepest))
+
+    tuner.knobs = lowered(tuner.knobs)
+    if tuner.trial is not None:
+        tuner.trial = (tuner.trial[0], lowered(tuner.trial[1]))
 
 
 def resume(tuner: Autotuner, loader: Any, state: Mapping[str, Any]) -> None:

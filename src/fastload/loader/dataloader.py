@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -252,6 +253,7 @@ class DataLoader(tud.DataLoader[Any]):
         self._decoder: Decoder | None = None
         self._builder: BatchBuilder | None = None
         self._ring: Any = None
+        self._ring_lock = threading.Lock()  # loader threads make the ring on their first batch
         self._live: weakref.ref[_Iteration] | None = None
         self._closed = False
         self.step = 0  # batches delivered to the training loop so far, across epochs
@@ -266,7 +268,10 @@ class DataLoader(tud.DataLoader[Any]):
         self._manifest_snapshot: dict[str, str] | None = None
         if autotune and not self._fast:
             raise ValueError("autotune tunes fastload's own threads: give it a fastload dataset")
+        self._prefetch_given = prefetch_batches  # the user's (the tuner moves prefetch_batches)
         self._autotune = tuning.make(autotune, self)
+        if self._autotune is not None:  # the tuner owns the depth, within its memory bound
+            self._fit_memory(None)
         self._preemption: PreemptionHandler | None = None
         if on_preempt is not None:
             self._preemption = PreemptionHandler(on_preempt, _state_of(weakref.ref(self)))
@@ -521,24 +526,56 @@ class DataLoader(tud.DataLoader[Any]):
             transform, self.batch_size or 1, self._bytes_per_sample()
         )
 
+    def _memory_share(self) -> int | None:
+        """The memory the batches loaded ahead (and the one the step holds) may take: the
+        container's share for the default depth, autotune's ``max_prefetch_bytes`` for a tuned
+        one; None for a depth the user gave, or where no limit is set."""
+        if self._autotune is not None:
+            return self._autotune.bounds.max_prefetch_bytes
+        if self.prefetch_batches is not None:
+            return None
+        return prefetch_memory.memory_share_bytes()
+
     def _weigh(self, batch: Any, source: Iterator[Any]) -> None:
-        """A pass's first batch says what a batch holds: where the default depth is more
-        than such batches fit in the memory share, the running pass goes shallower too."""
-        if self.prefetch_batches is not None or prefetch_memory.memory_share_bytes() is None:
+        """A pass's first batch says what a batch holds (on its way to the device: the bytes
+        its ring slot carries): where the depth is more than such batches fit in the memory
+        share, the running pass, the ring and the tuner's bound go shallower too."""
+        if self._memory_share() is None:
             return
-        nbytes = prefetch_memory.batch_nbytes(batch)
+        if self._decoder is not None and self._decoder.config.device != "cpu":
+            return  # decoded on the device: the host holds the encoded bytes (the estimate)
+        if isinstance(batch, _InTransfer):
+            nbytes = batch.transfer.nbytes
+        else:
+            nbytes = prefetch_memory.batch_nbytes(batch)
         if nbytes > self._batch_bytes_seen:
             self._batch_bytes_seen = nbytes
-            if isinstance(source, Pipeline):
-                source.limit_prefetch(self._prefetch_depth())
+            self._fit_memory(source)
+
+    def _fit_memory(self, source: Iterator[Any] | None) -> None:
+        """The depth within the memory share for what a batch is now known to hold: the
+        tuner's bound and knobs, the running pass, and the ring's slots (one a batch ahead and
+        one for the step's, unless ``ring_slots`` was given)."""
+        tuner = self._autotune
+        deepest = None
+        if tuner is not None:
+            tuning.fit_memory(tuner, self._batch_bytes(), floor=self._prefetch_given or 1)
+            self.prefetch_batches = tuner.knobs.prefetch_batches
+            deepest = tuner.bounds.max_prefetch  # the tuner may go deeper, up to this
+        depth = self._prefetch_depth()
+        if isinstance(source, Pipeline):
+            source.limit_prefetch(depth)
+        if self._ring is not None and self.ring_slots is None:
+            self._ring.limit_slots(max(depth, deepest or depth) + 1)
 
     def _device_ring(self) -> Any:
-        if self._ring is None:
-            from fastload.loader.ring import DeviceRing
+        with self._ring_lock:  # one ring: two threads' first batches used to make two
+            if self._ring is None:
+                from fastload.loader.ring import DeviceRing
 
-            slots = self.ring_slots or self._prefetch_depth() + 1
-            self._ring = DeviceRing(self.device, slots=slots)  # type: ignore[arg-type]
-        return self._ring
+                slots = self.ring_slots or self._prefetch_depth() + 1
+                self._ring = DeviceRing(self.device, slots=slots)  # type: ignore[arg-type]
+            return self._ring
 
     def _put(self, batch: Any) -> Any:
         return _InTransfer(self._device_ring().put(batch))
@@ -765,7 +802,7 @@ class DataLoader(tud.DataLoader[Any]):
             snapshot["prefetch"] = {
                 "batches": self._prefetch_depth(),
                 "batch_bytes": self._batch_bytes(),
-                "memory_share_bytes": prefetch_memory.memory_share_bytes(),
+                "memory_share_bytes": self._memory_share(),  # the share applied to it
             }
         if self._ring is not None:
             snapshot["ring"] = self._ring.stats()
@@ -873,11 +910,11 @@ class _Iteration:
             self._stats.count("samples", samples)
         if self._put_here:
             batch = self._loader._put(batch)
+        if self.batches == 0:
+            self._loader._weigh(batch, self._source)
         batch = self._loader._deliver(batch)
         self.batches += 1
         self.samples += samples
-        if self.batches == 1:
-            self._loader._weigh(batch, self._source)
         self._loader._delivered(self)
         done = time.perf_counter()
         self._stats.add("wait", done - now)

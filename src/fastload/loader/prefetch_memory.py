@@ -64,19 +64,25 @@ def memory_share_bytes() -> int | None:
     return None if limit is None else int(limit * PREFETCH_MEMORY_FRACTION)
 
 
-def bounded_depth(depth: int, batch_bytes: int) -> int:
-    """``depth`` batches ahead, lowered (to 1 at least) so that they and the batch the step
-    holds fit the memory share; ``depth`` itself where no limit is set."""
-    share = memory_share_bytes()
-    if share is None or batch_bytes <= 0:
+def depth_within(depth: int, batch_bytes: int, share_bytes: int | None) -> int:
+    """The rule: ``depth`` batches ahead, lowered (to 1 at least) so that they and the batch
+    the step holds fit ``share_bytes``; ``depth`` itself where there is no share. The default
+    depth and autotune's deepest prefetch (``fastload.loader.autotune``) both follow it."""
+    if share_bytes is None or batch_bytes <= 0:
         return depth
-    return max(1, min(depth, share // batch_bytes - 1))
+    return max(1, min(depth, share_bytes // batch_bytes - 1))
+
+
+def bounded_depth(depth: int, batch_bytes: int) -> int:
+    """``depth`` within the container's memory share (:func:`depth_within`)."""
+    return depth_within(depth, batch_bytes, memory_share_bytes())
 
 
 __all__ = [
     "PREFETCH_MEMORY_FRACTION",
     "batch_nbytes",
     "bounded_depth",
+    "depth_within",
     "estimated_batch_bytes",
     "memory_share_bytes",
 ]

@@ -86,6 +86,8 @@ _PACK_PIECE_BYTES = 8 << 20
 _LEASE_SPARE = 64 << 10
 
 _FREE, _FILLING, _IN_FLIGHT, _RETIRED = "free", "filling", "in flight", "retired"
+# Out of use after limit_slots(), its memory kept until its last copy has completed.
+_RETIRING = "retiring"
 
 
 class RingClosedError(FastloadError, RuntimeError):
@@ -471,6 +473,9 @@ class DeviceRing:
         self._slots = [_Slot(i, engine.event()) for i in range(slots)]
         self._lent = threading.local()  # .slot: the slot empty() lent this thread
         self._free: deque[_Slot] = deque(self._slots)
+        self._limit = slots  # slots in use at most (limit_slots lowers it)
+        self._retiring: list[_Slot] = []  # out of use, their last copy maybe still running
+        self._taken_out = 0  # slots limit_slots() took out of use
         self._dropped: deque[_Slot] = deque()  # slots of transfers dropped without get()
         self._cond = threading.Condition()
         self._closed = False
@@ -689,7 +694,7 @@ class DeviceRing:
                     if remaining is not None and remaining <= 0:
                         raise RingTimeoutError(
                             f"no DeviceRing slot came free in {timeout_s} s: all "
-                            f"{len(self._slots)} hold batches not yet taken by get()"
+                            f"{self._in_use()} hold batches not yet taken by get()"
                         )
                     # Woken by get() and close(); the period catches dropped transfers.
                     self._cond.wait(_RECLAIM_S if remaining is None else min(remaining, _RECLAIM_S))
@@ -743,6 +748,7 @@ class DeviceRing:
 
     def _reclaim(self) -> bool:
         """Under the lock: frees the slots of dropped transfers; whether any slot is free."""
+        self._sweep()
         while self._dropped:
             slot = self._dropped.popleft()
             if slot.state == _IN_FLIGHT:
@@ -754,9 +760,56 @@ class DeviceRing:
         if self._closed:
             _retire(slot)
             return
+        if self._in_use() > self._limit:  # over limit_slots(): this one leaves
+            self._take_out(slot)
+            return
         slot.state = _FREE
         self._free.append(slot)
         self._cond.notify()
+
+    # -- how many slots -----------------------------------------------------------------------
+
+    def limit_slots(self, slots: int) -> None:
+        """Uses at most ``slots`` slots from now on (never more than before): a loader whose
+        prefetch depth was lowered (its batches weigh more than estimated) must not keep the
+        memory of the slots it no longer needs. Free slots over the limit leave now (those
+        holding no memory first), slots holding a batch as their batch is taken; a slot's
+        memory is freed once its last copy has completed. Producers then wait for one of the
+        slots that stay."""
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        with self._cond:
+            if self._closed or slots >= self._limit:
+                return
+            self._limit = slots
+            for slot in sorted(self._free, key=lambda s: s.capacity):
+                if self._in_use() <= self._limit:
+                    break
+                self._free.remove(slot)
+                self._take_out(slot)
+            self._sweep()
+
+    def _in_use(self) -> int:
+        """Under the lock: the slots not taken out by limit_slots()."""
+        return len(self._slots) - self._taken_out
+
+    def _take_out(self, slot: _Slot) -> None:
+        """Under the lock: the slot leaves the ring; its memory goes once its copy is done."""
+        slot.state = _RETIRING
+        self._taken_out += 1
+        self._retiring.append(slot)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Under the lock: frees the memory of taken-out slots whose last copy completed
+        (without waiting: a copy still running is looked at again later)."""
+        for slot in list(self._retiring):
+            if slot.state != _RETIRING:  # retired by close()
+                self._retiring.remove(slot)
+            elif slot.event is None or slot.event.query():
+                slot.state = _RETIRED
+                _drop_memory(slot)
+                self._retiring.remove(slot)
 
     # -- consumer -----------------------------------------------------------------------------
 
@@ -821,7 +874,8 @@ class DeviceRing:
             self._reclaim()
             return {
                 "device": str(self.device),
-                "slots": len(self._slots),
+                "slots": self._in_use(),
+                "slots_taken_out": self._taken_out,
                 "pinned": self.pinned,
                 **self._stats,
                 "in_flight": sum(s.state == _IN_FLIGHT for s in self._slots),
@@ -858,5 +912,5 @@ class DeviceRing:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._slots)} slots"
+        state = "closed" if self._closed else f"{self._in_use()} slots"
         return f"DeviceRing(device={str(self.device)!r}, {state}, pinned={self.pinned})"
