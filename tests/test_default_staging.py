@@ -135,9 +135,7 @@ def test_a_default_warm_of_many_objects_starts_the_process_and_does_not_wait_for
         assert all(remote.gets(key) == 1 for key in remote.files)
 
 
-def test_a_default_warm_of_a_few_objects_stages_them_here(
-    served: Remote, tmp_path: Path
-) -> None:
+def test_a_default_warm_of_a_few_objects_stages_them_here(served: Remote, tmp_path: Path) -> None:
     """30 objects: all staged here before a process would have started up; none starts."""
     result = run_defaults(served, tmp_path / "cache", "warm")
     assert result["at_listing"] == result["at_end"] == 0
@@ -187,7 +185,8 @@ def test_opens_whose_staging_stays_here_start_no_process(
     with serve("s3", tmp_path, objects, s3_folder=True) as remote:
         result = run_defaults(remote, tmp_path / "cache", f"loader {format} {policy}")
         assert result["at_listing"] == result["at_end"] == 0
-        assert isinstance(result["count"], int) and result["count"] > 0
+        assert isinstance(result["count"], int)
+        assert result["count"] > 0
 
 
 def small_objects(count: int) -> dict[str, bytes]:
