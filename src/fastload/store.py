@@ -25,7 +25,7 @@ from fastload.resources import memory_share
 from fastload.staging import FetchConfig, Holding, Stager, StageResult
 from fastload.staging.planner import Range
 from fastload.staging.range_pool import range_pool
-from fastload.staging.stager import start_staging_process
+from fastload.staging.stager import start_staging_process as start_process_ahead
 
 # Bytes held in memory for objects the cache turns away, unless FetchConfig.hold_bytes or a
 # loader (its look-ahead) says otherwise.
@@ -89,20 +89,25 @@ class CachedStore:
     def manifest(self) -> Manifest:
         if self._manifest is None:
             c = self.config
-            self._start_staging_process()
+            if c.fetch.staging_process:  # always used: its start-up hides behind the listing
+                self.start_staging_process()
             self._manifest = load_manifest(
                 c.url, self.cache.dir, c.storage_options, refresh=c.refresh, ttl_s=c.ttl_s
             )
         return self._manifest
 
-    def _start_staging_process(self) -> None:
-        """Starts the staging process (where one stages) before the listing, which then
-        hides its start-up. A URL that cannot be opened is left to the listing to report."""
+    def start_staging_process(self) -> None:
+        """Starts the staging process now, where this store's rounds would go to one, for a
+        caller that knows they will (``open_dataset`` of a file folder: many small objects):
+        before the listing, which then hides its start-up. ``FetchConfig(staging_process=
+        True)`` starts it at the listing; by default (None) a staging round starts it where
+        it will be used (``Stager.stage``). A URL that cannot be opened is left to the
+        listing to report."""
         try:
             fs, root = open_filesystem(self.config.url, self.config.storage_options)
         except Exception:
             return
-        start_staging_process(fs, root, self.cache, self.config.fetch)
+        start_process_ahead(fs, root, self.cache, self.config.fetch)
 
     def _open(self) -> None:
         if self._pid == os.getpid():

@@ -213,17 +213,18 @@ def warm(
     staging: Staging | None = None
     ranges: list[Range] = []
     opened_at = None
-    if format is None and share is None:
-        store = CachedStore.open(url, **settings)
-    else:  # the dataset says what to stage; its store (one per warm) stages it
-        from fastload.datasets import open_dataset
-
-        opened_at = time.time()  # what the open itself fetches (a tar shard without an index)
-        dataset = open_dataset(url, format=share.format if share else str(format), **settings)
-        store = dataset.store
-        staging = share.staging_of(dataset) if share else dataset_staging(dataset)
-        keys, ranges = staging.keys, staging.ranges
+    # By default its staging process is not started at the listing, as a loader's is for a
+    # file folder: a warm's one round starts it where it is used (not for what is cached).
+    store = CachedStore.open(url, **settings)
     try:
+        if format is not None or share is not None:
+            # The dataset says what to stage; its store (one per warm) stages it.
+            from fastload.datasets import open_on
+
+            opened_at = time.time()  # what the open fetches (a tar shard without an index)
+            dataset = open_on(store, format=share.format if share else str(format))
+            staging = share.staging_of(dataset) if share else dataset_staging(dataset)
+            keys, ranges = staging.keys, staging.ranges
         return _warm(store, keys, ranges, staging, dry_run, progress, started, opened_at)
     finally:
         store.close()

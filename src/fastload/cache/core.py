@@ -285,6 +285,19 @@ class Cache:
         self.index.note_uses_buffered([oid for oid, at in zip(oids, out, strict=True) if at])
         return out
 
+    def count_missing(
+        self, urls: Sequence[str], versions: Sequence[str | None], sizes: Sequence[int | None]
+    ) -> int:
+        """How many of these whole objects (at that version and size) the index does not
+        hold, in one query; not a use of those it holds (nothing is read)."""
+        oids = [object_id(u) for u in urls]
+        found = self.index.placements_of(oids)
+        return sum(
+            1
+            for oid, version, size in zip(oids, versions, sizes, strict=True)
+            if (at := found.get(oid)) is None or not at.holds(version, size)
+        )
+
     def placed(
         self, urls: Sequence[str], versions: Sequence[str | None], sizes: Sequence[int | None]
     ) -> Placed:

@@ -163,11 +163,42 @@ def open_dataset(
     )
     reason = "asked for"
     if format == "auto":
-        format, reason = detect_format(store.manifest)
-        log.info("fastload: %s opened as format=%r: %s", store.url, format, reason)
+        format, reason = _detected(store)
+    if _stages_many_objects(format):
+        # Before the listing (a named format), which hides its start-up; after it (a
+        # detected one), overlapping the format's opening and the first batch.
+        store.start_staging_process()
+    return _opened(store, format, reason, format_options)
+
+
+def open_on(store: CachedStore, *, format: str = "auto", **format_options: Any) -> ShardedDataset:
+    """The dataset of ``format`` (``"auto"`` detects it) over ``store``, as
+    :func:`open_dataset` opens it, but without starting the store's staging process ahead
+    (``fl.warm``: its one round starts it where it will be used)."""
+    reason = "asked for"
+    if format == "auto":
+        format, reason = _detected(store)
+    return _opened(store, format, reason, format_options)
+
+
+def _detected(store: CachedStore) -> tuple[str, str]:
+    format, reason = detect_format(store.manifest)
+    log.info("fastload: %s opened as format=%r: %s", store.url, format, reason)
+    return format, reason
+
+
+def _opened(
+    store: CachedStore, format: str, reason: str, format_options: dict[str, Any]
+) -> ShardedDataset:
     dataset = _opener(format)(store, **format_options)
     dataset.format_reason = reason
     return dataset
+
+
+def _stages_many_objects(format: str) -> bool:
+    """Whether the format says its rounds stage many small objects
+    (``ShardedDataset.stages_many_objects``; an opener that is not a class says nothing)."""
+    return bool(getattr(_opener(format), "stages_many_objects", False))
 
 
 __all__ = [
@@ -179,5 +210,6 @@ __all__ = [
     "detect_format",
     "formats",
     "open_dataset",
+    "open_on",
     "register_format",
 ]

@@ -93,6 +93,11 @@ class ShardedDataset:
 
     format: str = "?"
     format_reason: str = ""
+    # Whether the format's samples are objects of their own (a file folder's files): its
+    # staging rounds bring many small objects, worth the staging process that
+    # ``open_dataset`` then starts before the listing (fastload.staging.process). A format
+    # of few large shards leaves it to staging, which starts it where it will be used.
+    stages_many_objects: bool = False
 
     def __init__(
         self,

@@ -77,6 +77,7 @@ class FileDataset(ShardedDataset):
     """
 
     format = "files"
+    stages_many_objects = True  # a sample is an object
 
     def __init__(self, store: CachedStore, objects: IndexRuns | None = None) -> None:
         self.objects = IndexRuns.whole(len(store.manifest)) if objects is None else objects

@@ -28,14 +28,17 @@ class FetchConfig:
     transport: Literal["auto", "fsspec"] = "auto"
     # Stage remote objects in a process of its own (fastload.staging.process), so staging
     # never waits for, nor takes, the GIL of a training step. None (the default): there,
-    # for a remote dataset, started as the dataset is listed; until it has started,
-    # staging goes on in this process a chunk at a time (as a batch's own misses always
-    # do), so nothing waits for its start-up; not where a pin budget turns objects away
-    # (they would be fetched twice). Chosen by measurement (benchmarks/benchmark_small_objects.py:
-    # 2,000 objects of 512 B beside a GIL-holding thread, 2-core machine; issue #32): in
-    # this process the thread lost 2.0 ms of GIL per object on a quiet machine (32 s);
-    # with the process 0.004-0.007 ms once started (0.05 in this process on the same,
-    # loaded, machine). True: always there, waiting for its start-up; False: always here.
+    # for a remote dataset, started only where it will be used (a file folder's open
+    # starts it before the listing; elsewhere a round missing more than a chunk of
+    # objects: not for tar shards, Parquet files, a cached warm, a plan cache's loader);
+    # until it has started, staging goes on in this process a chunk at a time (as a
+    # batch's own misses always do), so nothing waits for its start-up; not where a pin
+    # budget turns objects away (they would be fetched twice). Chosen by measurement
+    # (benchmarks/benchmark_small_objects.py: 2,000 objects of 512 B beside a GIL-holding
+    # thread, 2-core machine; issue #32): in this process the thread lost 2.0 ms of GIL
+    # per object on a quiet machine (32 s); with the process 0.004-0.007 ms once started
+    # (0.05 in this process on the same, loaded, machine). True: always there, started at
+    # the listing, waiting for its start-up; False: always here.
     staging_process: bool | None = None
     # Objects the cache turns away (a full ``pin`` cache) that a loader will read soon are
     # fetched ahead anyway and held in memory until read, in at most this many bytes

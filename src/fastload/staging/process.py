@@ -5,12 +5,17 @@ the interpreter's switch interval (5 ms) at every hand-off: 24 small objects/s w
 are possible. A staging process has a GIL of its own. The training process hands it a
 round (the objects to stage) over a pipe and blocks reading the answer, which releases its
 GIL; a round costs one message each way, whatever its number of objects. The default for
-remote datasets (``FetchConfig.staging_process``; ``False`` stages in this process): a
-store starts it as it lists the dataset (:meth:`StagingProcess.start`), so the listing
-hides the fresh interpreter's second or two; its first message says it is ready
-(:meth:`StagingProcess.ready`), and until then staging goes on in this process's threads
-a chunk at a time (``Stager.stage``), as a batch waiting for its own objects always does
-(``here=True``): nothing waits for the start-up.
+remote datasets (``FetchConfig.staging_process``; ``False`` stages in this process,
+``True`` always there, started as the store lists the dataset), started only where it will
+be used: by ``open_dataset`` before the listing for a format whose rounds bring many small
+objects (a file folder: :meth:`StagingProcess.start`), so the listing hides the fresh
+interpreter's start-up (0.3-0.65 s of CPU); otherwise by the first staging round that
+misses more than a chunk of objects (``Stager.stage``), overlapping it. Not for a cached
+warm, nor tar shards or Parquet files (a few large objects: all staged here before it
+would start), nor a ``plan`` cache whose plan keeps staging in this process. Its first
+message says it is ready (:meth:`StagingProcess.ready`), and until then staging goes on
+in this process's threads a chunk at a time, as a batch waiting for its own objects always
+does (``here=True``): nothing waits for the start-up.
 
 The process is a fresh interpreter (``python -m fastload.staging.process_main``), so nothing
 of the parent's state, obstore's runtime included, is inherited. It is told the filesystem
@@ -103,11 +108,21 @@ class StagingProcess:
         self._process: subprocess.Popen[bytes] | None = None
         self._ready = False  # whether the process said it is ready (its first message)
         self._starts = 0  # by ready(), which a process that keeps dying must not loop on
+        self._wanted = False  # started once (start() or a round): ready() starts it again
+        # Objects the cache lacked that the default mode staged here while this process was
+        # not started (the stager starts it once they come to a chunk's worth).
+        self.missing_staged_here = 0
+
+    @property
+    def started(self) -> bool:
+        """Whether the process was ever started (by :meth:`start` or a round)."""
+        return self._wanted
 
     def ready(self) -> bool:
         """Whether the process is running and has started up (never waits: a process still
-        importing, or busy with a round, is not ready)."""
-        if not self._lock.acquire(blocking=False):
+        importing, or busy with a round, is not ready). One never started is not: only
+        :meth:`start` and a round start it; one that ended is started again here."""
+        if not self._wanted or not self._lock.acquire(blocking=False):
             return False
         try:
             process = self._process
@@ -130,6 +145,7 @@ class StagingProcess:
         """Starts the process now if it is not running (a round otherwise starts it): it
         imports and opens the cache while this process does something else."""
         with self._lock:
+            self._wanted = True
             if self._process is None:
                 self._process = self._start()
                 self._ready = False
@@ -162,6 +178,7 @@ class StagingProcess:
         error) tuples. progress(objects_done, bytes_done, fetched_bytes) is called as
         batches finish."""
         with self._lock:
+            self._wanted = True
             for attempt in (1, 2):  # a round is idempotent: a new process may redo it
                 if self._process is not None and self._process.poll() is not None:
                     _discard(self._process)  # ended between rounds (killed): start another
