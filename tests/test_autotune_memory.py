@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fake_cgroup import limit_memory
 from PIL import Image
 
 import fastload as fl
 from fastload.loader import autotune as tuning
 from fastload.loader.prefetch_memory import PREFETCH_MEMORY_FRACTION, depth_within
-from fastload.resources import CGROUP_ROOT_ENV
 
 IMAGES = 96
 BATCH = 4
@@ -43,15 +43,6 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(buf.getvalue())
     return root
-
-
-def in_pod(monkeypatch: pytest.MonkeyPatch, root: Path, memory_max: str) -> None:
-    """A cgroup v2 directory as the kernel lays it out, read in place of the process's own."""
-    root.mkdir(parents=True)
-    (root / "cgroup.controllers").write_text("cpu memory\n")
-    (root / "cpu.max").write_text("max 100000\n")
-    (root / "memory.max").write_text(f"{memory_max}\n")
-    monkeypatch.setenv(CGROUP_ROOT_ENV, str(root))
 
 
 def holding(batches: int) -> str:
@@ -94,7 +85,7 @@ def _tune(
 def test_autotune_stays_inside_the_pods_prefetch_share(
     folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    in_pod(monkeypatch, tmp_path / "pod", holding(4))  # 3 ahead and the step's
+    limit_memory(monkeypatch, tmp_path / "pod", holding(4))  # 3 ahead and the step's
     with _loader(folder, tmp_path / "c", num_workers=1, prefetch_batches=1, autotune=STEADY) as ld:
         share = ld.stats()["prefetch"]["memory_share_bytes"]
         estimated = ld.stats()["prefetch"]["batch_bytes"]
@@ -115,7 +106,7 @@ def test_without_a_limit_the_same_tuning_goes_deeper(
     folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What the bound stops: on the same clock, a pod without a memory limit climbs on."""
-    in_pod(monkeypatch, tmp_path / "pod", "max")
+    limit_memory(monkeypatch, tmp_path / "pod", "max")
     with _loader(folder, tmp_path / "c", num_workers=1, prefetch_batches=1, autotune=STEADY) as ld:
         _tune(monkeypatch, ld, deeper_than=3)
         stats = ld.stats()
@@ -133,7 +124,7 @@ def test_the_ring_gives_up_the_slots_a_lowered_depth_no_longer_needs(
     The batches are those of a loader without a ring or a limit."""
     with _loader(folder, tmp_path / "c", num_workers=2) as plain:
         expected = [(list(images), labels) for images, labels in plain]
-    in_pod(monkeypatch, tmp_path / "pod", holding(3))  # 2 ahead and the step's
+    limit_memory(monkeypatch, tmp_path / "pod", holding(3))  # 2 ahead and the step's
     with _loader(folder, tmp_path / "c", num_workers=2, device="cpu") as ld:
         monkeypatch.setattr(ld, "_moves_to_device", lambda: True)
         depth_before = ld.stats()["prefetch"]["batches"]

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fake_cgroup import limit_memory
 from PIL import Image
 
 import fastload as fl
 from fastload.decode import TrainPreset
 from fastload.loader.prefetch_memory import PREFETCH_MEMORY_FRACTION
-from fastload.resources import CGROUP_ROOT_ENV
 
 BATCH = 4
 SIDE = 64  # the generated images' height and width
@@ -36,15 +36,6 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(buf.getvalue())
     return root
-
-
-def limit_memory(monkeypatch: pytest.MonkeyPatch, root: Path, memory_max: str) -> None:
-    """A cgroup v2 directory as the kernel lays it out, read in place of the process's own."""
-    root.mkdir(parents=True)
-    (root / "cgroup.controllers").write_text("cpu memory\n")
-    (root / "cpu.max").write_text("max 100000\n")
-    (root / "memory.max").write_text(f"{memory_max}\n")
-    monkeypatch.setenv(CGROUP_ROOT_ENV, str(root))
 
 
 def limit_for(batches: int, batch_bytes: int) -> str:
