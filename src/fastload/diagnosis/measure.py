@@ -41,8 +41,11 @@ HARD_STOP = 5
 # The steady part must span at least this share of the time since the first batch
 # arrived: a shorter one is the queue draining, not the phase's pace.
 MIN_SPAN = 0.25
-# Windows the steady part is cut into for the spread of its rate (rate_se).
+# Windows the steady part is cut into for the spread of its rate (rate_se), each of at
+# least SE_WINDOW_BATCHES batches: batches leave a prefetch queue in bursts, so one
+# batch's gap says little of the rate (a phase with fewer windows has no rate_se).
 SE_WINDOWS = 6
+SE_WINDOW_BATCHES = 3
 # At most this many batches are queued up for a warm phase (it stops at its budget first).
 MAX_WARM_BATCHES = 400
 
@@ -79,11 +82,12 @@ class Timeline:
 
     def rate_se(self) -> float | None:
         """The standard error of the log of the steady rate: the steady part cut into
-        up to SE_WINDOWS windows of equal batches, the spread of their seconds."""
+        up to SE_WINDOWS windows of equal batches (SE_WINDOW_BATCHES at least), the spread
+        of their seconds; None with fewer than 3 windows."""
         n = len(self.arrivals)
         first = self.window().start
         gaps = [self.arrivals[i] - self.arrivals[i - 1] for i in range(max(first, 1), n)]
-        k = min(SE_WINDOWS, len(gaps))
+        k = min(SE_WINDOWS, len(gaps) // SE_WINDOW_BATCHES)
         if k < 3:
             return None
         size = len(gaps) // k
