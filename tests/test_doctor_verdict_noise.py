@@ -42,6 +42,7 @@ def test_a_slow_phase_is_not_measured_as_its_queue_draining() -> None:
     """Three batches a gap, a 5 ms step: a phase that stopped at its hard stop with three
     batches measured the last two at the step's pace (the step-alone rate, 12,800
     samples/s); it runs on for more batches, and one that still has too few says so."""
+    measure.batch_samples(torch.zeros(B, 1))  # its first call imports the loader
     step = Step("sleep", 0.005)
     loader = _BurstyLoader(gap_s=0.5)
     phase, _ = measure.run_loader(
@@ -95,9 +96,7 @@ def _judge(m: predict.Measured) -> tuple[str, Any]:
     model = predict.Model(m)
     basis = predict.basis_phase(m)
     neck = predict.bottleneck(m, model, basis)
-    return neck, predict.verdict(
-        m, model, basis, neck, usd_per_gpu_hour=None, epochs_per_day=None
-    )
+    return neck, predict.verdict(m, model, basis, neck, usd_per_gpu_hour=None, epochs_per_day=None)
 
 
 def test_near_the_fetch_line_with_a_wide_spread_the_verdict_is_the_stable_part() -> None:

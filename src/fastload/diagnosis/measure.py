@@ -38,6 +38,8 @@ MIN_MEASURED = 4
 # stopped at 3 batches measured the last two coming out of a full prefetch queue at the
 # step's pace: the step-alone rate, not the phase's).
 HARD_STOP = 5
+# The ceiling (the step alone, no queue) stops at this many times its budget.
+CEILING_STOP = 3
 # The steady part must span at least this share of the time since the first batch
 # arrived: a shorter one is the queue draining, not the phase's pace.
 MIN_SPAN = 0.25
@@ -279,7 +281,9 @@ def run_step_alone(
     while True:
         step(batch)
         elapsed = time.perf_counter() - start
-        if step.calls >= 1000 or _enough(elapsed, budget_s, step.calls) and step.calls >= 3:
+        done = elapsed >= budget_s and step.calls >= MIN_BATCHES
+        # (the step alone has no queue to drain: 3 calls by its hard stop give its time)
+        if step.calls >= 1000 or done or (elapsed >= CEILING_STOP * budget_s and step.calls >= 3):
             break
         progress("ceiling", time.perf_counter() - start, budget_s, step.calls)
     wall = time.perf_counter() - start
