@@ -241,7 +241,8 @@ def confidence(m: Measured, model: Model, basis: Phase, neck: str) -> float:
     line, through the normal distribution. The nearest ratio decides it."""
     ratios: list[tuple[float, float]] = []
     util = model.utilization(current_s(m, model, basis))
-    ratios.append((util / SATURATED, ratio_noise(basis, m.ceiling)))
+    # (the ceiling is the mean of many calls of the step alone: the basis's noise binds)
+    ratios.append((util / SATURATED, ratio_noise(basis)))
     if neck != "none":
         found = fetch_ratio(m, basis)
         if found is not None:
