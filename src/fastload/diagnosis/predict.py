@@ -236,21 +236,26 @@ def warm_bottleneck(m: Measured, model: Model) -> str:
 
 
 def confidence(m: Measured, model: Model, basis: Phase, neck: str) -> float:
-    """The share of repeated runs expected to draw the deciding ratio on the same side of
-    its line: how many of its measured standard errors (ratio_noise) it sits from the
-    line, through the normal distribution. The nearest ratio decides it."""
-    ratios: list[tuple[float, float]] = []
+    """The share of repeated runs expected to name ``neck`` again: how many of its
+    measured standard errors (ratio_noise) the deciding ratio sits from where the verdict
+    would change, through the normal distribution; the nearest ratio decides it. For the
+    fetch line that is DECIDE_Z errors below the line: a rate within noise of the line
+    names what binds once warm, on either side of it."""
+    zs: list[float] = []
     util = model.utilization(current_s(m, model, basis))
     # (the ceiling is the mean of many calls of the step alone: the basis's noise binds)
-    ratios.append((util / SATURATED, ratio_noise(basis)))
+    zs.append(abs(math.log(max(util / SATURATED, 1e-9))) / ratio_noise(basis))
     if neck != "none":
         found = fetch_ratio(m, basis)
         if found is not None:
-            ratios.append(found)
+            ratio, noise = found
+            beyond = math.log(max(ratio, 1e-9)) / noise + DECIDE_Z  # < 0: fetch named
+            zs.append(-beyond if neck == "fetch" else beyond)
         gil_close = m.workers > 0 and model.step >= 0.9 * model.measured_s
         if neck != "fetch" and gil_close and model.step_alone > 0:
-            ratios.append((model.step / (1.1 * model.step_alone), ratio_noise(m.train)))
-    z = min(abs(math.log(max(r, 1e-9))) / noise for r, noise in ratios)
+            gil = model.step / (1.1 * model.step_alone)
+            zs.append(abs(math.log(max(gil, 1e-9))) / ratio_noise(m.train))
+    z = max(0.0, min(zs))
     return round(0.5 * (1 + math.erf(z / math.sqrt(2))), 3)
 
 
