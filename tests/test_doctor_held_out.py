@@ -122,7 +122,10 @@ def test_a_fetch_bound_first_epoch_says_what_binds_once_warm_with_a_confidence()
     basis = predict.basis_phase(near)
     neck = predict.bottleneck(near, model, basis)
     close = predict.verdict(near, model, basis, neck, usd_per_gpu_hour=None, epochs_per_day=None)
-    assert 0.5 <= close.confidence < 0.7  # 2% from the line: hardly more than a coin toss
+    # 2% below the line, within noise: the stable part (decode, once warm), named on
+    # either side of the line, so named again in most runs.
+    assert neck == "decode"
+    assert close.confidence > 0.9
 
 
 def test_cache_advice_follows_the_disk_and_the_order() -> None:

@@ -344,6 +344,12 @@ class _Diagnosis:
         )
 
     def report(self, usd: Price, epochs_per_day: float | None) -> Report:
+        for phase in self.phases.values():
+            if phase.too_few is not None:
+                self.notes.append(
+                    f"the {phase.name} phase's rate ({phase.samples_per_s:,.0f} samples/s) "
+                    f"decides no verdict: {phase.too_few}; run with a longer phase_s"
+                )
         m = self.measured()
         model = predict.Model(m)
         basis = predict.basis_phase(m)

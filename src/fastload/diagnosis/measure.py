@@ -29,12 +29,25 @@ from typing import Any, TextIO
 from fastload.diagnosis.report import Phase
 from fastload.diagnosis.steps import Step
 
-# A phase measures at least this many batches (its budget may run over to reach them).
+# A phase measures at least this many batches (its budget may run over to reach them):
+# MIN_MEASURED of them in its steady part.
 MIN_BATCHES = 6
-# A phase with a long step stops at this many times its budget, with as few batches as
-# give a rate (3: the steady part is the last two).
-HARD_STOP = 3
-FEWEST_BATCHES = 3
+MIN_MEASURED = 4
+# A slow phase runs over its budget until it has MIN_BATCHES, up to this many times its
+# budget; one that has fewer then is marked ``too_few`` and decides no verdict (a phase
+# stopped at 3 batches measured the last two coming out of a full prefetch queue at the
+# step's pace: the step-alone rate, not the phase's).
+HARD_STOP = 5
+# The ceiling (the step alone, no queue) stops at this many times its budget.
+CEILING_STOP = 3
+# The steady part must span at least this share of the time since the first batch
+# arrived: a shorter one is the queue draining, not the phase's pace.
+MIN_SPAN = 0.25
+# Windows the steady part is cut into for the spread of its rate (rate_se), each of at
+# least SE_WINDOW_BATCHES batches: batches leave a prefetch queue in bursts, so one
+# batch's gap says little of the rate (a phase with fewer windows has no rate_se).
+SE_WINDOWS = 6
+SE_WINDOW_BATCHES = 3
 # At most this many batches are queued up for a warm phase (it stops at its budget first).
 MAX_WARM_BATCHES = 400
 
@@ -52,6 +65,40 @@ class Timeline:
     def window(self) -> slice:
         n = len(self.arrivals)
         return slice(max(1, n // 3) if n > 1 else 0, n)
+
+    def too_few(self) -> str | None:
+        """Why the steady part does not give the phase's rate (None: it does)."""
+        n = len(self.arrivals)
+        measured = n - self.window().start
+        if measured < MIN_MEASURED:
+            return f"{measured} measured batches (fewer than {MIN_MEASURED}) by the hard stop"
+        first = self.window().start
+        span = self.arrivals[-1] - self.arrivals[first - 1]
+        whole = self.arrivals[-1] - self.arrivals[0]
+        if whole > 0 and span < MIN_SPAN * whole:
+            return (
+                f"the {measured} measured batches span {span:.2f} s of {whole:.2f} s: the "
+                "prefetch queue draining"
+            )
+        return None
+
+    def rate_se(self) -> float | None:
+        """The standard error of the log of the steady rate: the steady part cut into
+        up to SE_WINDOWS windows of equal batches (SE_WINDOW_BATCHES at least), the spread
+        of their seconds; None with fewer than 3 windows."""
+        n = len(self.arrivals)
+        first = self.window().start
+        gaps = [self.arrivals[i] - self.arrivals[i - 1] for i in range(max(first, 1), n)]
+        k = min(SE_WINDOWS, len(gaps) // SE_WINDOW_BATCHES)
+        if k < 3:
+            return None
+        size = len(gaps) // k
+        windows = [sum(gaps[j * size : (j + 1) * size]) for j in range(k)]
+        mean = sum(windows) / k
+        if mean <= 0:
+            return None
+        var = sum((w - mean) ** 2 for w in windows) / (k - 1)
+        return round(math.sqrt(var) / mean / math.sqrt(k), 4)
 
     def rate(self) -> tuple[int, float, float]:
         """(samples, seconds, cores) over the steady part: batches after the first third."""
@@ -92,7 +139,15 @@ class PhaseProgress:
 def _enough(elapsed: float, budget_s: float, batches: int) -> bool:
     if elapsed >= budget_s and batches >= MIN_BATCHES:
         return True
-    return elapsed >= HARD_STOP * budget_s and batches >= FEWEST_BATCHES
+    return elapsed >= HARD_STOP * budget_s
+
+
+def _settled(timeline: Timeline, elapsed: float, budget_s: float) -> bool:
+    """Whether a loader phase can stop: enough batches whose steady part is the phase's
+    pace, or its hard stop."""
+    if not _enough(elapsed, budget_s, len(timeline.arrivals)):
+        return False
+    return elapsed >= HARD_STOP * budget_s or timeline.too_few() is None
 
 
 def repeated(indices: Sequence[int], batches: int, batch_size: int) -> list[int]:
@@ -148,7 +203,7 @@ def run_loader(
             ready = time.perf_counter()
             elapsed = ready - start
             progress(name, elapsed, budget_s, len(timeline.arrivals))
-            if _enough(elapsed, budget_s, len(timeline.arrivals)):
+            if _settled(timeline, elapsed, budget_s):
                 break
             del batch
         stats = loader.stats()
@@ -184,6 +239,8 @@ def _phase(name: str, what: str, timeline: Timeline, stats: dict[str, Any]) -> P
         stage_s=stage_s,
         bytes_fetched=int(stats.get("counts", {}).get("bytes_fetched", 0)),
         hit_rate=_hit_rate(stats.get("counts", {})),
+        rate_se=timeline.rate_se(),
+        too_few=timeline.too_few(),
     )
 
 
@@ -224,7 +281,9 @@ def run_step_alone(
     while True:
         step(batch)
         elapsed = time.perf_counter() - start
-        if step.calls >= 1000 or _enough(elapsed, budget_s, step.calls):
+        done = elapsed >= budget_s and step.calls >= MIN_BATCHES
+        # (the step alone has no queue to drain: 3 calls by its hard stop give its time)
+        if step.calls >= 1000 or done or (elapsed >= CEILING_STOP * budget_s and step.calls >= 3):
             break
         progress("ceiling", time.perf_counter() - start, budget_s, step.calls)
     wall = time.perf_counter() - start

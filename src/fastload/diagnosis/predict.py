@@ -33,9 +33,37 @@ MIN_GAIN = 1.02
 # 1: a cold phase that overlaps its fetches runs a few percent under the warm one by noise
 # alone, and a line near 1 named fetch in one run and decode in the next.
 FETCH_BOUND = 0.8
-# Run-to-run spread of a phase's rate on a shared machine (the log of the ratio of two
-# runs' rates, one standard deviation): how sure a verdict drawn across a line can be.
+# The noise of a deciding ratio is measured: the standard errors of its two rates' logs
+# (each from the spread of its phase's window rates, Phase.rate_se), added in quadrature.
+# A phase too short to tell counts RATE_NOISE; no ratio counts less than NOISE_FLOOR (a
+# phase's windows do not see what changes between phases on a shared machine).
 RATE_NOISE = 0.1
+NOISE_FLOOR = 0.03
+# A ratio decides a verdict across its line only when it sits this many standard errors
+# from it; nearer, the verdict is its stable part (what binds once warm), and the
+# confidence says how near.
+DECIDE_Z = 2.0
+
+
+def _se(phase: Phase | None) -> float:
+    if phase is None or phase.rate_se is None:
+        return RATE_NOISE
+    return phase.rate_se
+
+
+def ratio_noise(*phases: Phase | None) -> float:
+    """The standard error of the log of a ratio of these phases' rates."""
+    return max(NOISE_FLOOR, math.sqrt(sum(_se(p) ** 2 for p in phases)))
+
+
+def decides(ratio: float, noise: float) -> bool:
+    """Whether ``ratio`` (to its line) sits beyond the noise on either side."""
+    return abs(math.log(max(ratio, 1e-9))) >= DECIDE_Z * noise
+
+
+def trusted(phase: Phase | None) -> bool:
+    """A phase that ran and measured enough batches to decide a verdict."""
+    return phase is not None and phase.skipped is None and phase.too_few is None
 
 
 @dataclass
@@ -156,13 +184,28 @@ def current_s(m: Measured, model: Model, basis: Phase) -> float:
     return max(measured, model.batch_s(Settings(m.workers, m.cores_per_rank)))
 
 
+def fetch_ratio(m: Measured, basis: Phase) -> tuple[float, float] | None:
+    """The basis's rate over the fetch line (FETCH_BOUND of the warm rate) and the noise
+    of its log, where the basis is a cold or budget phase; else None."""
+    phase = {"cold": m.cold, "budget": m.budget}.get(basis.name)
+    if phase is None or not trusted(phase):
+        return None
+    line = max(FETCH_BOUND * m.train.samples_per_s, 1e-9)
+    return phase.samples_per_s / line, ratio_noise(phase, m.train)
+
+
+def fetch_near(m: Measured, basis: Phase) -> bool:
+    """Whether the basis's rate is within noise of the fetch line: fetching may bind now
+    or not; the verdict names what binds once warm (the stable part)."""
+    found = fetch_ratio(m, basis)
+    return found is not None and not decides(*found)
+
+
 def fetch_bound(m: Measured, basis: Phase) -> bool:
-    """Whether the first epoch (the cold basis) waits for the remote."""
-    return (
-        basis.name == "cold"
-        and m.cold is not None
-        and m.cold.samples_per_s < FETCH_BOUND * m.train.samples_per_s
-    )
+    """Whether the first epoch (the cold basis), or an epoch after it with the cache's
+    budget, waits for the remote: its rate below the line by more than the noise."""
+    found = fetch_ratio(m, basis)
+    return found is not None and found[0] < 1 and decides(*found)
 
 
 def bottleneck(m: Measured, model: Model, basis: Phase) -> str:
@@ -170,9 +213,6 @@ def bottleneck(m: Measured, model: Model, basis: Phase) -> str:
     if model.utilization(current_s(m, model, basis)) >= SATURATED:
         return "none"
     if fetch_bound(m, basis):
-        return "fetch"
-    budget = m.budget if basis.name == "budget" else None
-    if budget is not None and budget.samples_per_s < FETCH_BOUND * m.train.samples_per_s:
         return "fetch"
     return warm_bottleneck(m, model)
 
@@ -196,31 +236,38 @@ def warm_bottleneck(m: Measured, model: Model) -> str:
 
 
 def confidence(m: Measured, model: Model, basis: Phase, neck: str) -> float:
-    """The share of repeated runs expected to name ``neck`` again: how many noise widths
-    (RATE_NOISE) the deciding ratio sits from its line, through the normal distribution."""
-    ratios: list[float] = []
+    """The share of repeated runs expected to name ``neck`` again: how many of its
+    measured standard errors (ratio_noise) the deciding ratio sits from where the verdict
+    would change, through the normal distribution; the nearest ratio decides it. For the
+    fetch line that is DECIDE_Z errors below the line: a rate within noise of the line
+    names what binds once warm, on either side of it."""
+    zs: list[float] = []
     util = model.utilization(current_s(m, model, basis))
-    ratios.append(util / SATURATED)
+    # (the ceiling is the mean of many calls of the step alone: the basis's noise binds)
+    zs.append(abs(math.log(max(util / SATURATED, 1e-9))) / ratio_noise(basis))
     if neck != "none":
-        line = max(FETCH_BOUND * m.train.samples_per_s, 1e-9)
-        if basis.name == "cold" and m.cold is not None:
-            ratios.append(m.cold.samples_per_s / line)
-        if basis.name == "budget" and m.budget is not None:
-            ratios.append(m.budget.samples_per_s / line)
+        found = fetch_ratio(m, basis)
+        if found is not None:
+            ratio, noise = found
+            beyond = math.log(max(ratio, 1e-9)) / noise + DECIDE_Z  # < 0: fetch named
+            zs.append(-beyond if neck == "fetch" else beyond)
         gil_close = m.workers > 0 and model.step >= 0.9 * model.measured_s
         if neck != "fetch" and gil_close and model.step_alone > 0:
-            ratios.append(model.step / (1.1 * model.step_alone))
-    margin = min(abs(math.log(max(r, 1e-9))) for r in ratios)
-    return round(0.5 * (1 + math.erf(margin / RATE_NOISE / math.sqrt(2))), 3)
+            gil = model.step / (1.1 * model.step_alone)
+            zs.append(abs(math.log(max(gil, 1e-9))) / ratio_noise(m.train))
+    z = max(0.0, min(zs))
+    return round(0.5 * (1 + math.erf(z / math.sqrt(2))), 3)
 
 
 def basis_phase(m: Measured) -> Phase:
     """The phase that stands for the job as it would run now: cold while the cache does not
     hold the data (and the cold phase ran), an epoch after the first where the cache's
     budget is below the share, else the warm train phase."""
-    if m.cold is not None and m.cold.skipped is None and m.cached_fraction < 0.95:
+    if trusted(m.cold) and m.cached_fraction < 0.95:
+        assert m.cold is not None
         return m.cold
-    if m.budget is not None and m.budget.skipped is None:
+    if trusted(m.budget):
+        assert m.budget is not None
         return m.budget
     return m.train
 
@@ -472,6 +519,12 @@ def verdict(
     summary = f"{waits}, {where}"
     if once_warm is not None and once_warm != neck:
         summary += f" ({neck} now, {once_warm} once warm)"
+    found = fetch_ratio(m, basis)
+    if neck != "none" and found is not None and not decides(*found):
+        summary += (
+            f"; fetching may bind now too: the rate is {found[0]:.2f}x the fetch line, "
+            f"within its noise (±{found[1]:.0%}), so the verdict is what binds once warm"
+        )
     return Verdict(
         utilization=round(util, 4),
         samples_per_s=round(rate, 3),

@@ -47,6 +47,12 @@ class Phase:
     hit_rate: float | None = None  # of the objects the loader read, the share cached already
     others_cores: float | None = None  # cores other processes kept busy meanwhile
     skipped: str | None = None  # why the phase did not run
+    # The standard error of log(samples_per_s), from the spread of the rates of the steady
+    # part's windows (None: too few batches to tell).
+    rate_se: float | None = None
+    # Why the rate is not trusted (too few measured batches by the phase's hard stop: the
+    # steady part may be the prefetch queue draining); such a phase decides no verdict.
+    too_few: str | None = None
 
 
 @dataclass

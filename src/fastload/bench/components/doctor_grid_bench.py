@@ -141,6 +141,8 @@ def run_point(
                 "samples_per_s": p.samples_per_s,
                 "others_cores": p.others_cores,
                 "hit_rate": p.hit_rate,
+                "rate_se": p.rate_se,
+                "too_few": p.too_few,
             }
             for name, p in report.phases.items()
             if p.skipped is None
