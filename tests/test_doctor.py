@@ -62,7 +62,7 @@ def test_a_slow_remote_with_a_cold_cache_waits_on_fetching_and_the_fix_is_warmin
 ) -> None:
     cache_dir = tmp_path / "cache"
     shutil.copytree(jpegs, tmp_path / "remote" / "data" / "ds")
-    with S3FolderProcess(tmp_path / "remote", behavior=RemoteBehavior(latency_s=0.3)) as server:
+    with S3FolderProcess(tmp_path / "remote", behavior=RemoteBehavior(latency_s=1.0)) as server:
         report = fl.doctor(
             "s3://data/ds",
             storage_options=server.storage_options,
