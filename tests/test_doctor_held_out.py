@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from doctor_phases import B
+from doctor_phases import phase as _phase
 from PIL import Image
 
 import fastload as fl
@@ -20,31 +22,8 @@ from fastload.diagnosis import cache_advice, predict
 from fastload.diagnosis.diagnose import _Diagnosis
 from fastload.diagnosis.measure import PhaseProgress
 from fastload.diagnosis.prices import price_for
-from fastload.diagnosis.report import Fix, Phase
+from fastload.diagnosis.report import Fix
 from fastload.diagnosis.steps import Step
-
-B = 64
-
-
-def _phase(
-    name: str,
-    rate: float,
-    *,
-    cores: float = 1.0,
-    step_ms: float | None = None,
-    decode_s: float = 0.1,
-) -> Phase:
-    return Phase(
-        name=name,
-        what=name,
-        batches=10,
-        samples=10 * B,
-        seconds=10 * B / rate,
-        samples_per_s=rate,
-        step_s=None if step_ms is None else step_ms / 1000,
-        cpu_cores=cores,
-        stage_s={"read": 0.01, "decode": decode_s, "collate": 0.005},
-    )
 
 
 def _measured(

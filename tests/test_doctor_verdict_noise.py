@@ -9,13 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from doctor_phases import B, phase
 
 from fastload.diagnosis import measure, predict
 from fastload.diagnosis.measure import PhaseProgress
 from fastload.diagnosis.report import Phase
 from fastload.diagnosis.steps import Step
-
-B = 64
 
 
 class _BurstyLoader:
@@ -57,18 +56,7 @@ def test_a_slow_phase_is_not_measured_as_its_queue_draining() -> None:
 
 
 def _phase(name: str, rate: float, se: float | None, *, step_ms: float | None = None) -> Phase:
-    return Phase(
-        name=name,
-        what=name,
-        batches=10,
-        samples=10 * B,
-        seconds=10 * B / rate,
-        samples_per_s=rate,
-        step_s=None if step_ms is None else step_ms / 1000,
-        cpu_cores=1.0,
-        stage_s={"read": 0.01, "decode": 0.1, "collate": 0.005},
-        rate_se=se,
-    )
+    return phase(name, rate, step_ms=step_ms, rate_se=se)
 
 
 def _cold(cold_rate: float, se: float) -> predict.Measured:
