@@ -105,8 +105,9 @@ class Worker:
             proc.stdin.flush()
         except BrokenPipeError:
             return {"died": f"exit status {proc.wait()}"}
-        ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
-        line = proc.stdout.readline() if ready else b""
+        poller = select.poll()  # not select.select: it refuses a descriptor past 1023
+        poller.register(proc.stdout, select.POLLIN | select.POLLHUP)
+        line = proc.stdout.readline() if poller.poll(int(TIMEOUT_S * 1000)) else b""
         if not line:
             if proc.poll() is None:
                 self.close()

@@ -19,9 +19,9 @@ class FetchLocks:
     """Per-entry locks across processes: POSIX record locks on one byte each of one file.
 
     Record locks belong to the process, not the thread, so a table of held ids serializes
-    the threads of one process. The lock file stays open for the life of the process:
-    closing any descriptor of it would drop every record lock the process holds (the POSIX
-    rule).
+    the threads of one process. The lock file stays open while the process holds a lock in
+    it: closing any descriptor of it would drop every record lock the process holds (the
+    POSIX rule).
     """
 
     _by_path: ClassVar[dict[str, FetchLocks]] = {}
@@ -77,6 +77,11 @@ class FetchLocks:
             if oid in self._held and self._pid == os.getpid():
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, self._offset(oid))
             self._held.discard(oid)
+            if not self._held and self._pid == os.getpid():
+                # Holding none, closing drops nothing: a process that used many caches
+                # (a test suite, a sweep) would otherwise keep one descriptor per cache.
+                os.close(self._fd)
+                self._fd, self._pid = -1, -1
             self._released.notify_all()
 
     def wait(self, timeout_s: float) -> None:

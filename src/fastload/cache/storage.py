@@ -203,14 +203,22 @@ class PartFile:
             os.unlink(self.path)
 
 
-@dataclass
 class _Segment:
-    """The segment this process appends to: it holds a shared flock on it meanwhile."""
+    """The segment this process appends to: it holds a shared flock on it meanwhile. The
+    descriptor closes with the object too: a cache dropped without ``close()`` (a loader
+    nobody closed) must not keep the file open, and unevictable, for the life of the
+    process."""
 
-    id: int
-    fd: int
-    size: int
-    pid: int
+    def __init__(self, number: int, fd: int) -> None:
+        self.id, self.fd, self.size, self.pid = number, fd, 0, os.getpid()
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0 and self.pid == os.getpid():  # a parent's descriptor is not ours
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class Storage:
@@ -313,9 +321,8 @@ class Storage:
 
     def _open_segment(self, new_segment: Callable[[], int]) -> _Segment:
         """Seals the active segment (it may be evicted from then on) and starts a new one."""
-        active = self._active
-        if active is not None and active.pid == os.getpid():
-            os.close(active.fd)
+        if self._active is not None:
+            self._active.close()
         self._active = None
         number = new_segment()
         part = f"{self.dir}/tmp/{_SEGMENT_PART}{number}.{os.getpid()}"
@@ -325,7 +332,7 @@ class Storage:
             os.replace(part, self.segment_path(number))
         except OSError as exc:
             raise disk_error(exc, part) from exc
-        self._active = _Segment(number, fd, 0, os.getpid())
+        self._active = _Segment(number, fd)
         return self._active
 
     def _flush(self, run: list[memoryview], ends: list[int]) -> None:
@@ -344,7 +351,7 @@ class Storage:
             with contextlib.suppress(OSError):  # the torn part's bytes: room for the index
                 os.ftruncate(active.fd, active.size + kept)
             active.size += kept
-            os.close(active.fd)
+            active.close()
             self._active = None
             raise
         if self.fsync:
@@ -362,8 +369,8 @@ class Storage:
         never recorded."""
         active, self._active = self._active, None
         self._grown = []
-        if active is not None and active.pid == os.getpid():
-            os.close(active.fd)
+        if active is not None:
+            active.close()
 
     def active_segment(self) -> int | None:
         active = self._active

@@ -191,8 +191,9 @@ class _Child:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
-            if ready:
+            poller = select.poll()  # not select.select: it refuses a descriptor past 1023
+            poller.register(fd, select.POLLIN | select.POLLHUP)
+            if poller.poll(max(1, int(min(left, 1.0) * 1000))):
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     return None

@@ -250,8 +250,13 @@ class _GetThreads:
 
     def _serve(self) -> None:
         while True:
-            round_, i = self.tasks.get()
-            round_.get(i)
+            # No local keeps the round: an idle thread would hold the last one it served,
+            # and through it the stager, its cache's open files and the dataset, forever.
+            self._get_one(*self.tasks.get())
+
+    @staticmethod
+    def _get_one(round_: Round, i: int) -> None:
+        round_.get(i)
 
 
 _get_threads: dict[int, _GetThreads] = {}

@@ -154,8 +154,11 @@ class _Child:
                     f"did not answer {command or 'at start'} within {self.timeout_s:g} s; raise "
                     "LoaderBenchConfig.timeout_s or use a smaller config"
                 )
-            readable, _, _ = select.select([fd], [], [], left)
-            if readable:
+            # poll, not select: select refuses a descriptor past 1023 (a long test run or
+            # a training process may hold that many).
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLHUP)
+            if poller.poll(max(1, int(left * 1000))):
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     raise self._failure("exited early")
