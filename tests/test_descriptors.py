@@ -6,7 +6,6 @@ process, or a long test run, can hold that many)."""
 from __future__ import annotations
 
 import gc
-import io
 import os
 import resource
 import subprocess
@@ -17,9 +16,8 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+from image_folders import jpeg_folder
 
 import fastload as fl
 from fastload.bench.components import loader_bench
@@ -45,15 +43,7 @@ def _open_under(folder: Path) -> list[str]:
 
 @pytest.fixture
 def jpegs(tmp_path: Path) -> Path:
-    root = tmp_path / "images"
-    rng = np.random.default_rng(0)
-    for i in range(24):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)).save(buf, "JPEG")
-        path = root / f"clåss_{i % 2}" / f"{i:02d}.jpg"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(buf.getvalue())
-    return root
+    return jpeg_folder(tmp_path / "images", 24, size=32, class_name="clåss")  # UTF-8 names
 
 
 @pytest.mark.parametrize("workers", [0, 2])

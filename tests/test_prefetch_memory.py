@@ -6,15 +6,13 @@ size before; the batches themselves are those of an unbounded loader."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from fake_cgroup import limit_memory
-from PIL import Image
+from image_folders import jpeg_folder
 
 import fastload as fl
 from fastload.decode import TrainPreset
@@ -27,15 +25,7 @@ OUT = 32  # the preset's output side
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("prefetch-memory")
-    rng = np.random.default_rng(0)
-    for i in range(24):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)).save(buf, "JPEG")
-        path = root / f"class_{i % 2}" / f"{i:03d}.jpg"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(buf.getvalue())
-    return root
+    return jpeg_folder(tmp_path_factory.mktemp("prefetch-memory"), 24, size=SIDE)
 
 
 def limit_for(batches: int, batch_bytes: int) -> str:

@@ -4,7 +4,6 @@ v1), and what ``loader.stats()`` and ``fastload doctor`` report of it."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -12,9 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+from image_folders import jpeg_folder
 
 from fastload.resources import CGROUP_ROOT_ENV
 
@@ -153,17 +151,6 @@ def test_nested_limits_bind_the_child(tmp_path: Path) -> None:
         tmp_path,
     ]
     assert _levels(tmp_path, "/not/here") == [tmp_path]
-
-
-def jpeg_folder(root: Path, count: int = 16) -> Path:
-    rng = np.random.default_rng(0)
-    for i in range(count):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "JPEG")
-        path = root / f"class_{i % 2}" / f"{i:03d}.jpg"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(buf.getvalue())
-    return root
 
 
 @needs_taskset
