@@ -178,16 +178,23 @@ def test_too_few_threads_get_the_thread_fix_and_apply_measures_it(
         **QUICK,
     )
     assert report.bottleneck == "decode"
-    if report.node["others_cores"] > 0.5:  # other jobs took the core a thread would use
-        pytest.skip(f"other processes kept {report.node['others_cores']} cores busy")
-    fix = next(f for f in report.fixes if f.applicable)
-    assert fix.name == "num_workers"
-    assert fix.change == {"num_workers": max(2, int(report.node["cores"]))}
-    assert fix.gain >= 1.3  # one thread on two cores or more: the model doubles it at least
+    assert report.verdict.epoch_usd is None  # no GPU, no price: no money figures
+    assert report.price["usd_per_gpu_hour"] is None
+    fixes = [f for f in report.fixes if f.applicable]
+    if report.node["others_cores"] <= 0.5:
+        fix = fixes[0]
+        assert fix.name == "num_workers"
+        assert fix.change == {"num_workers": max(2, int(report.node["cores"]))}
+        assert fix.gain >= 1.3  # one thread on two cores or more: the model doubles it at least
+    # else other jobs took the core a thread would use: the thread fix is smaller or absent
+    # (its size is then a measurement of their load), but --apply still keeps its contract.
     applied = report.applied
+    if not fixes:
+        assert applied is None
+        return
     assert applied is not None
-    assert applied.fix == "num_workers"
-    assert applied.predicted_samples_per_s == fix.predicted_samples_per_s
+    assert applied.fix == fixes[0].name
+    assert applied.predicted_samples_per_s == fixes[0].predicted_samples_per_s
     assert applied.phase is not None
     assert applied.phase.batches >= 1
     assert applied.measured_samples_per_s == applied.phase.samples_per_s
@@ -197,8 +204,6 @@ def test_too_few_threads_get_the_thread_fix_and_apply_measures_it(
     kept = json.loads(report.to_json())["applied"]
     assert kept["predicted_samples_per_s"]
     assert kept["measured_samples_per_s"]
-    assert report.verdict.epoch_usd is None  # no GPU, no price: no money figures
-    assert report.price["usd_per_gpu_hour"] is None
 
 
 def test_a_step_holding_the_gil_leaves_the_loader_the_cores_it_does_not_take(
