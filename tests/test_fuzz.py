@@ -18,7 +18,6 @@ import io
 import json
 import os
 import resource
-import select
 import shutil
 import struct
 import subprocess
@@ -34,6 +33,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fastload import safe_files
+from fastload.staging.child_pipe import readable_within
 
 ADDRESS_SPACE_BYTES = 2 << 30
 TIMEOUT_S = 10.0
@@ -105,9 +105,7 @@ class Worker:
             proc.stdin.flush()
         except BrokenPipeError:
             return {"died": f"exit status {proc.wait()}"}
-        poller = select.poll()  # not select.select: it refuses a descriptor past 1023
-        poller.register(proc.stdout, select.POLLIN | select.POLLHUP)
-        line = proc.stdout.readline() if poller.poll(int(TIMEOUT_S * 1000)) else b""
+        line = proc.stdout.readline() if readable_within(proc.stdout, TIMEOUT_S) else b""
         if not line:
             if proc.poll() is None:
                 self.close()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from fastload.diagnosis.report import Phase, Ranks
+from fastload.staging.child_pipe import readable_within
 from fastload.staging.lifetime import env_for_child
 
 # Seconds a rank process may take to start (import torch, open the dataset) on a busy node.
@@ -183,17 +184,13 @@ class _Child:
 
     def read_line(self, deadline: float) -> str | None:
         """The child's next stdout line, None at EOF or past ``deadline``."""
-        import select
-
         assert self.process.stdout is not None
         fd = self.process.stdout.fileno()
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            poller = select.poll()  # not select.select: it refuses a descriptor past 1023
-            poller.register(fd, select.POLLIN | select.POLLHUP)
-            if poller.poll(max(1, int(min(left, 1.0) * 1000))):
+            if readable_within(fd, min(left, 1.0)):
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     return None

@@ -35,7 +35,6 @@ import atexit
 import contextlib
 import os
 import pickle
-import select
 import struct
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from fastload import errors
 from fastload.cache import CacheConfig
 from fastload.manifest import RemoteObject
 from fastload.remote import scrub
+from fastload.staging.child_pipe import readable_within
 from fastload.staging.lifetime import env_for_child
 
 _HEADER = struct.Struct("!Q")
@@ -135,7 +135,7 @@ class StagingProcess:
                     self._process, self._ready = self._start(), False
                 return False
             assert process.stdout is not None
-            if not self._ready and _readable(process.stdout):
+            if not self._ready and readable_within(process.stdout, 0):
                 self._ready = receive(process.stdout) == ("ready",)
             return self._ready
         finally:
@@ -288,11 +288,3 @@ def close_all() -> None:
         mine = [p for (pid, *_), p in _processes.items() if pid == os.getpid()]
     for process in mine:  # a process mid-round would finish it first: exit promptly
         process.close(wait_s=1.0)
-
-
-def _readable(pipe: Any) -> bool:
-    """Whether a message waits on pipe, without waiting. poll, not select: select refuses
-    a descriptor past 1023, and a training process may hold that many open files."""
-    poller = select.poll()
-    poller.register(pipe, select.POLLIN | select.POLLHUP)
-    return bool(poller.poll(0))

@@ -74,7 +74,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import select
 import statistics
 import subprocess
 import sys
@@ -107,6 +106,7 @@ from fastload.bench.runner import (
     relate,
     step_lost,
 )
+from fastload.staging.child_pipe import readable_within
 from fastload.staging.lifetime import env_for_child
 
 
@@ -154,11 +154,7 @@ class _Child:
                     f"did not answer {command or 'at start'} within {self.timeout_s:g} s; raise "
                     "LoaderBenchConfig.timeout_s or use a smaller config"
                 )
-            # poll, not select: select refuses a descriptor past 1023 (a long test run or
-            # a training process may hold that many).
-            poller = select.poll()
-            poller.register(fd, select.POLLIN | select.POLLHUP)
-            if poller.poll(max(1, int(left * 1000))):
+            if readable_within(fd, left):
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     raise self._failure("exited early")
