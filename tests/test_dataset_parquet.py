@@ -348,3 +348,28 @@ def test_sampler_covers_every_row_once_and_resumes_on_more_ranks(
             rest += list(fresh)
         assert sorted(consumed + rest) == list(range(40))
         assert [ds[i]["label"] for i in consumed + rest] == [(i % 3) for i in consumed + rest]
+
+
+@pytest.mark.parametrize("dictionary", [False, True])
+def test_text_that_is_not_utf8_in_a_page_is_named(tmp_path: Path, dictionary: bool) -> None:
+    """A damaged page whose text is not UTF-8 (pyarrow reads it without checking) is a
+    DatasetError naming the file and row group, never a bare UnicodeDecodeError: the
+    string column as plain text and the label column as a dictionary (read at open)."""
+    words = pa.array(["dög", "cat", "fox", "owl"] * 2)
+    column = words.dictionary_encode() if dictionary else words
+    t = pa.table({"image": [jpeg(i) for i in range(8)], "label": column})
+    sink = pa.BufferOutputStream()
+    pq.write_table(t, sink, row_group_size=8, compression="none", use_dictionary=dictionary)
+    data = sink.getvalue().to_pybytes()
+    assert data.count(b"f\x6fx") >= 1
+    broken = data.replace(b"fox", b"f\xffx")  # same length: the offsets stay right
+
+    def read_all(remote: Remote) -> list[dict[str, Any]]:
+        ds = open_parquet(remote, tmp_path / "c", image_column="image")
+        return [ds[i] for i in range(len(ds))]
+
+    with (
+        serve("local", tmp_path, {"a.parquet": broken}) as remote,
+        pytest.raises(DatasetError, match=r"a\.parquet: row group 0 cannot be read"),
+    ):
+        read_all(remote)

@@ -278,6 +278,14 @@ class ParquetDataset(ShardedDataset):
             table = pq.ParquetFile(source, metadata=md).read_row_group(
                 g, columns=list(self.columns), use_threads=False
             )
+            if table.num_rows != file.rows[g]:  # the footer said; never another group's row
+                raise DatasetError(
+                    f"{url}: row group {g} decodes to {table.num_rows} rows where the footer "
+                    f"says {file.rows[g]}; the file is damaged or changed since the dataset "
+                    "was opened: open it again with refresh=True, else rewrite the file"
+                )
+            # Converting is reading too: a damaged page can hold text that is not UTF-8.
+            out = {name: self._values(table.column(name), name) for name in self.columns}
         except DatasetError:
             raise
         except Exception as e:
@@ -286,13 +294,6 @@ class ParquetDataset(ShardedDataset):
                 "damaged or changed since the dataset was opened: open it again with "
                 "refresh=True, else rewrite the file"
             ) from e
-        if table.num_rows != file.rows[g]:  # the footer said; never a row of another group
-            raise DatasetError(
-                f"{url}: row group {g} decodes to {table.num_rows} rows where the footer says "
-                f"{file.rows[g]}; the file is damaged or changed since the dataset was opened: "
-                "open it again with refresh=True, else rewrite the file"
-            )
-        out = {name: self._values(table.column(name), name) for name in self.columns}
         return out, int(table.nbytes) + _ENTRY_OVERHEAD_BYTES * (1 + table.num_rows)
 
     def _spans(self, f: int, g: int) -> list[tuple[int, int]]:
@@ -407,12 +408,13 @@ class ParquetDataset(ShardedDataset):
                 .read_row_group(g, columns=[name], use_threads=False)
                 .column(name)
             )
+            # Converting is reading too: a damaged dictionary can hold text that is not UTF-8.
+            return {v for chunk in column.chunks for v in chunk.dictionary.to_pylist()}
         except Exception as e:
             raise DatasetError(
                 f"{self.store.object_url(file.key)}: row group {g} cannot be read "
                 f"({type(e).__name__}: {e}); the file is damaged: rewrite it"
             ) from e
-        return {v for chunk in column.chunks for v in chunk.dictionary.to_pylist()}
 
     def metadata(self, f: int) -> Any:
         """pyarrow's ``FileMetaData`` of file f (its footer, read again from the cache in a
