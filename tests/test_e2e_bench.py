@@ -19,6 +19,7 @@ from fastload.bench.e2e.e2e_data import (
     DataConfig,
     folder_key,
     generate,
+    jpegs_line,
     label_of,
     tar_order,
     with_parquet,
@@ -571,3 +572,29 @@ def test_a_runs_spec_with_credentials_does_not_outlive_its_child(tmp_path: Path)
     files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
     assert [p.name for p in files] == ["log.txt"]
     assert all(secret not in p.read_text() for p in files)
+
+
+def test_repeated_pictures_are_byte_copies_in_their_own_objects_with_their_labels(
+    tmp_path: Path,
+) -> None:
+    config = DataConfig(
+        samples=12, classes=2, images=4, shard_samples=4, zarr_side=16, zarr_chunk_rows=4
+    )
+    data = generate(tmp_path, config)
+    files = sorted(data.folder.rglob("*.jpg"))
+    assert len(files) == 12
+    assert len({f.stat().st_ino for f in files}) == 12
+    for i in range(12):
+        copy = (data.folder / folder_key(i, 2)).read_bytes()
+        assert copy == (data.folder / folder_key(i % 4, 2)).read_bytes()
+    assert len({(data.folder / folder_key(i, 2)).read_bytes() for i in range(4)}) == 4
+    with tarfile.open(next(data.tar.glob("*.tar"))) as tar:
+        for member in tar.getmembers():
+            if member.name.endswith(".cls"):
+                i = int(member.name.split(".")[0])
+                assert tar.extractfile(member).read() == str(i % 2).encode()  # type: ignore[union-attr]
+    assert "4 pictures" in jpegs_line(config)
+    assert "12 JPEGs" in jpegs_line(config)
+    for images in (3, 0, 14):  # not a multiple of the classes, none, more than the samples
+        with pytest.raises(ValueError, match="images must be a multiple of classes"):
+            dataclasses.replace(config, images=images)

@@ -295,11 +295,11 @@ def _bench(args: argparse.Namespace) -> int:
         if args.url is not None:
             raise UsageError("--components and --scale run on generated data; leave out the URL")
         return _bench_scale(args) if args.scale else _bench_components(args)
-    from fastload.bench.e2e import e2e_bench, e2e_report
+    from fastload.bench.e2e import e2e_bench, e2e_data, e2e_report
 
     config = bench_config(args)
     out = Path(args.out)
-    where = args.url or f"{config.data.samples:,} generated JPEGs in {out / 'data'}"
+    where = args.url or f"{e2e_data.jpegs_line(config.data)}, generated in {out / 'data'}"
     print(f"fastload {fastload.__version__} bench: end to end on {where}", flush=True)
     if args.url is None:
         report = e2e_bench.run(out, config)
@@ -602,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="600 images, folder + tar, warm epochs repeated to 3 s: ~3 min",
+        help="1,800 images (600 pictures), folder + tar, warm epochs repeated to 3 s: ~3 min",
     )
     bench.add_argument("--out", default="fastload-bench", help="results and generated data")
     bench.add_argument("--latency-ms", type=float, help="per request (default 20)")

@@ -1,7 +1,8 @@
 """The end-to-end benchmark's dataset: the same generated JPEGs in four layouts.
 
 JPEGs with natural-image-like content (:func:`natural_image`), 400-500 x 350-500 px,
-quality 90, about 105 KB, in ``classes`` classes (sample ``i`` is in class ``i % classes``)::
+quality 90, about 105 KB, in ``classes`` classes (sample ``i`` is in class ``i % classes``;
+with ``images`` set, a copy of picture ``i % images`` in an object of its own)::
 
     folder/class_007/000107.jpg        ImageFolder
     tar/shard-00000.tar                WebDataset shards of ``shard_samples`` samples, in a
@@ -50,6 +51,11 @@ GENERATOR_VERSION = 1  # bump when generated data changes, so old copies are reb
 class DataConfig:
     samples: int = 3000
     classes: int = 100
+    # Distinct pictures: sample i is a byte-for-byte copy of picture i % images in its own
+    # object (None: every sample its own). A short run repeats a few pictures into epochs
+    # long enough that fixed costs (worker start-up, the open) weigh as in a full run,
+    # without the time to make more; a multiple of classes, so a copy keeps its label.
+    images: int | None = None
     shard_samples: int = 64
     zarr_side: int = 256
     zarr_chunk_rows: int = 8
@@ -69,6 +75,13 @@ class DataConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.images is not None and not (
+            0 < self.images <= self.samples and self.images % self.classes == 0
+        ):
+            raise ValueError(
+                f"images must be a multiple of classes ({self.classes}) between 1 and "
+                f"samples ({self.samples}), or None, got {self.images}"
+            )
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,13 @@ class GeneratedData:
 
     def labels(self) -> list[int]:
         return [label_of(i, self.classes) for i in range(self.samples)]
+
+
+def jpegs_line(config: DataConfig) -> str:
+    """How many JPEGs a run reads, and from how many pictures where they repeat."""
+    if config.images is None or config.images == config.samples:
+        return f"{config.samples:,} JPEGs"
+    return f"{config.samples:,} JPEGs ({config.images:,} pictures, each in several objects)"
 
 
 def label_of(index: int, classes: int) -> int:
@@ -199,9 +219,23 @@ def generate(root: Path, config: DataConfig) -> GeneratedData:
 def _images_in_parallel(
     folder: Path, config: DataConfig, side: int | None
 ) -> list[npt.NDArray[np.uint8] | None]:
-    indices = list(range(config.samples))
+    """Makes the distinct pictures, then copies them into the samples that repeat them."""
+    distinct = config.images or config.samples
+    made = _made_in_parallel(folder, config, distinct, side)
+    for i in range(distinct, config.samples):
+        shutil.copyfile(
+            folder / folder_key(i % distinct, config.classes),
+            folder / folder_key(i, config.classes),
+        )
+    return [made[i % distinct] for i in range(config.samples)]
+
+
+def _made_in_parallel(
+    folder: Path, config: DataConfig, count: int, side: int | None
+) -> list[npt.NDArray[np.uint8] | None]:
+    indices = list(range(count))
     procs = min(usable_cpus(), 8)
-    if config.samples < 200 or procs == 1:  # starting processes would cost more
+    if count < 200 or procs == 1:  # starting processes would cost more
         return _make_images(str(folder), indices, config.classes, side)
     parts = [indices[k::procs] for k in range(procs)]
     # forkserver: this process may hold threads (a fork would copy their locks).
@@ -212,7 +246,7 @@ def _images_in_parallel(
                 _make_images, [str(folder)] * procs, parts, [config.classes] * procs, [side] * procs
             )
         )
-    rows: list[npt.NDArray[np.uint8] | None] = [None] * config.samples
+    rows: list[npt.NDArray[np.uint8] | None] = [None] * count
     for part, result in zip(parts, done, strict=True):
         for i, row in zip(part, result, strict=True):
             rows[i] = row
