@@ -268,11 +268,11 @@ class E2EConfig:
         instead.
 
         Why 1,800: each epoch pays fixed costs (8 worker processes starting, each with its
-        client, ~2.5 s; fastload's open, ~0.5 s), and its rate is samples over fixed cost
+        client, ~3 s; fastload's open, ~0.5 s), and its rate is samples over fixed cost
         plus samples over the steady rate. At 600 samples an epoch the fixed costs made the
-        8-worker peers' rates 0.6x of the full run's and fastload's cold folder 0.7x (ratios
-        off by up to 1.9x, measured); at 1,800 each is within ~15% of a 3,000-sample
-        epoch's."""
+        8-worker peers' rates 0.6x of the full run's and fastload's cold folder 0.7x: 12 of
+        20 ratios within 20% of the full run's, some off by 1.9x. At 1,800, 19 of 20 (the
+        median of three quick runs against a 3-repeat full run, measured; README)."""
         return cls(
             data=DataConfig(samples=1800, images=600),
             steps=("sleep",),
